@@ -1,0 +1,9 @@
+"""axon: an LLM inference engine and OpenAI-compatible server with vLLM's surface."""
+
+from axon.entrypoints.llm import LLM
+from axon.outputs import CompletionOutput, RequestOutput
+from axon.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

@@ -1,0 +1,205 @@
+"""The frozen, typed config tree, built once at the edge.
+
+Every option keeps vLLM's name and lives in exactly one sub-config; ``build_config(**kwargs)``
+routes flat vLLM-style keyword arguments (or parsed CLI flags) to their sub-config, rejects
+unknown names with a suggestion, and ``resolve_config`` turns the "auto" values into concrete
+ones in one step that returns a new tree. Nothing here reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # HF folder or .gguf file; None: the bundled default model
+    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the model's context length
+    seed: int = 0
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    max_logprobs: int = 20
+    cache_root: str | None = None  # None: $AXON_CACHE_ROOT or ~/.cache/axon
+    # Resolved by resolve_config(), never set by users:
+    model_path: str | None = None  # the HF folder actually loaded (a GGUF file is converted once)
+    hf_config: dict[str, Any] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    # CPU KV-cache budget in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); None: what max_num_seqs
+    # sequences of max_model_len need, capped at 4 GiB.
+    kv_cache_space_gib: float | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA only
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048 (or max_model_len, if smaller)
+    scheduling_policy: str = "fcfs"
+    # Holdback admission: admit only while the running set fits at max_model_len each, so that
+    # decodes never preempt each other. Off: vLLM's optimistic admission (preemption may occur).
+    admission_kv_limit: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative_config: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    structured_outputs_config: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_transfer_config: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    disable_log_stats: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+
+
+@dataclass(frozen=True)
+class AxonConfig:
+    model_config: ModelConfig = ModelConfig()
+    cache_config: CacheConfig = CacheConfig()
+    scheduler_config: SchedulerConfig = SchedulerConfig()
+    parallel_config: ParallelConfig = ParallelConfig()
+    compilation_config: CompilationConfig = CompilationConfig()
+    speculative_config: SpeculativeConfig = SpeculativeConfig()
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    kv_transfer_config: KVTransferConfig = KVTransferConfig()
+    observability_config: ObservabilityConfig = ObservabilityConfig()
+    device_config: DeviceConfig = DeviceConfig()
+    additional_config: dict[str, Any] = field(default_factory=dict)
+
+
+_RESOLVED_ONLY = {"model_path", "hf_config"}
+# Options that parse from JSON strings when given as text (CLI flags).
+_JSON_OPTIONS = {"speculative_config", "structured_outputs_config", "kv_transfer_config", "additional_config"}
+
+
+def _option_owners() -> dict[str, str]:
+    """Flat option name -> name of the AxonConfig field (sub-config) that holds it."""
+    owners: dict[str, str] = {}
+    for sub in fields(AxonConfig):
+        if sub.name == "additional_config":
+            owners["additional_config"] = sub.name
+            continue
+        for f in fields(sub.default):  # type: ignore[arg-type]
+            if f.name not in _RESOLVED_ONLY:
+                assert f.name not in owners, f"option {f.name} defined twice"
+                owners[f.name] = sub.name
+    return owners
+
+
+OPTION_OWNERS = _option_owners()
+
+
+def option_fields() -> list[tuple[str, dataclasses.Field[Any]]]:
+    """(sub-config name, field) for every user option, in declaration order (CLI generation)."""
+    out = []
+    for sub in fields(AxonConfig):
+        if sub.name == "additional_config":
+            continue
+        out += [(sub.name, f) for f in fields(sub.default) if f.name not in _RESOLVED_ONLY]  # type: ignore[arg-type]
+    return out
+
+
+def build_config(**kwargs: Any) -> AxonConfig:
+    """Route flat vLLM-named options into the config tree. Unknown names are errors."""
+    grouped: dict[str, dict[str, Any]] = {}
+    for name, value in kwargs.items():
+        owner = OPTION_OWNERS.get(name)
+        if owner is None:
+            close = difflib.get_close_matches(name, OPTION_OWNERS, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"unknown option '{name}'{hint}")
+        if name in _JSON_OPTIONS and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name} must be a JSON object, got {value!r}: {e}") from None
+        grouped.setdefault(owner, {})[name] = value
+    additional = grouped.pop("additional_config", {}).get("additional_config") or {}
+    if not isinstance(additional, dict):
+        raise ValueError(f"additional_config must be a JSON object, got {additional!r}")
+    subs = {owner: type(getattr(AxonConfig(), owner))(**opts) for owner, opts in grouped.items()}
+    config = AxonConfig(**subs, additional_config=additional)
+    validate_config(config)
+    return config
+
+
+def validate_config(config: AxonConfig) -> None:
+    """Checks that need no model: each error names the option and its value."""
+    m, c, s, p = config.model_config, config.cache_config, config.scheduler_config, config.parallel_config
+
+    def need(ok: bool, name: str, value: Any, why: str) -> None:
+        if not ok:
+            raise ValueError(f"{name} {why}, got {value!r}.")
+
+    need(m.dtype in ("auto", "float32", "bfloat16", "float16", "half", "float"), "dtype", m.dtype,
+         "must be one of auto, float32, bfloat16, float16")
+    need(m.load_format in ("auto", "safetensors", "gguf", "dummy"), "load_format", m.load_format,
+         "must be one of auto, safetensors, gguf, dummy")
+    need(m.max_model_len is None or m.max_model_len >= 1, "max_model_len", m.max_model_len, "must be at least 1")
+    need(c.block_size >= 1 and c.block_size & (c.block_size - 1) == 0, "block_size", c.block_size,
+         "must be a positive power of two")
+    need(c.num_gpu_blocks_override is None or c.num_gpu_blocks_override >= 2, "num_gpu_blocks_override",
+         c.num_gpu_blocks_override, "must be at least 2 (block 0 is reserved)")
+    need(c.kv_cache_space_gib is None or c.kv_cache_space_gib > 0, "kv_cache_space_gib", c.kv_cache_space_gib,
+         "must be positive")
+    need(0.0 < c.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", c.gpu_memory_utilization,
+         "must be in (0, 1]")
+    need(c.kv_cache_dtype == "auto", "kv_cache_dtype", c.kv_cache_dtype, "supports only 'auto' for now")
+    need(s.max_num_seqs >= 1, "max_num_seqs", s.max_num_seqs, "must be at least 1")
+    need(s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+         s.max_num_batched_tokens, "must be at least 1")
+    need(s.scheduling_policy == "fcfs", "scheduling_policy", s.scheduling_policy, "supports only 'fcfs'")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        need(getattr(p, name) == 1, name, getattr(p, name), "must be 1 (parallelism is not built yet)")
+    need(config.device_config.device in ("auto", "cpu", "cuda"), "device", config.device_config.device,
+         "must be one of auto, cpu, cuda")
+    need(m.max_logprobs >= 0, "max_logprobs", m.max_logprobs, "must be non-negative")
+
+
+def default_cache_root() -> str:
+    return os.environ.get("AXON_CACHE_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "axon")
+
+
+def replace(obj: Any, **changes: Any) -> Any:
+    return dataclasses.replace(obj, **changes)

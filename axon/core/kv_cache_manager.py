@@ -1,0 +1,203 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, slot allocation.
+
+Pure Python, no torch. The scheduler asks two questions per request and step:
+
+1. ``get_computed_blocks(request)`` (once, when a waiting request is first scheduled or resumed):
+   which leading blocks of its prompt are already in the cache?
+2. ``allocate_slots(request, num_new_tokens, ...)``: make room for this step's tokens, or say
+   ``None`` (with nothing changed) so the scheduler can preempt or wait.
+
+A request's blocks cover its token regions like this (vLLM V1's layout):
+
+    ----------------------------------------------------------------
+    | < computed > | < new computed > |      < new >      |  ...   |
+    ----------------------------------------------------------------
+    |          < required: num_computed + num_new_computed + num_new tokens >
+    ------------------------------------------------------------
+    |                 < full blocks, cached >          | partial |
+    ----------------------------------------------------
+                   | < newly cached this step >  |
+
+    computed:      KV already in the cache from earlier steps (request.num_computed_tokens)
+    new computed:  prefix-cache hits found this step (touched, not recomputed)
+    new:           tokens the worker computes this step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from axon.core.block_pool import BlockPool, KVCacheBlock
+from axon.core.kv_cache_utils import cdiv
+from axon.core.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last ``make_prefix_cache_stats`` (tokens, not blocks)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # req_id -> its blocks in token order; block i holds tokens [i * block_size, (i+1) * block_size).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many leading blocks have been through cache_full_blocks (registered, or
+        # skipped as duplicates); blocks past it are not yet full.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request's full blocks, and its length in tokens.
+
+        Never the whole sequence: at least one token is left to compute, because the last
+        token's logits are needed to sample. A prompt of exactly 2 blocks hits at most 1.
+        The blocks are not yet referenced; ``allocate_slots`` touches them.
+        """
+        # Prompt logprobs need logits at every prompt position, which a hit would skip.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        computed_blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                # Hashes are chained: past the first miss no block can belong to this prefix.
+                break
+            computed_blocks.append(block)
+        num_computed_tokens = len(computed_blocks) * self.block_size
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_computed_tokens
+        return computed_blocks, num_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Give the request blocks for all tokens up to the end of this step.
+
+        Returns the newly allocated fresh blocks (not the hit blocks), or ``None`` with nothing
+        changed if the free pool cannot supply them. Free cached blocks count as free, except
+        the hit blocks themselves: touching them takes them out of the free queue.
+        """
+        assert num_new_tokens >= 0, f"num_new_tokens must be >= 0, got {num_new_tokens}"
+        new_computed_blocks = new_computed_blocks or []
+        assert self.enable_caching or not new_computed_blocks, "prefix-cache hits with caching off"
+        assert len(new_computed_blocks) * self.block_size <= num_new_computed_tokens, (
+            f"{len(new_computed_blocks)} hit blocks but only {num_new_computed_tokens} new computed tokens"
+        )
+        req_id = request.req_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        if new_computed_blocks:
+            # Hits continue the request's fully computed blocks, block index for block index.
+            assert request.num_computed_tokens == len(req_blocks) * self.block_size, (
+                f"request {req_id}: hits must follow whole computed blocks, have "
+                f"{len(req_blocks)} blocks for {request.num_computed_tokens} computed tokens"
+            )
+
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_required_tokens = num_computed_tokens + num_new_tokens
+        assert num_required_tokens <= self.max_model_len, (
+            f"request {req_id}: {num_required_tokens} tokens exceed max_model_len {self.max_model_len}"
+        )
+        num_required_blocks = self.num_blocks_needed(num_required_tokens)
+        num_new_blocks = max(num_required_blocks - len(req_blocks) - len(new_computed_blocks), 0)
+        # Free hit blocks sit in the free queue now but leave it when touched.
+        num_evictable_hit_blocks = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hit_blocks:
+            return None
+
+        # Touch before allocating, so that get_new_blocks cannot evict a hit block.
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks = self.req_to_blocks.setdefault(req_id, req_blocks)
+        req_blocks.extend(new_computed_blocks)
+        if new_computed_blocks:
+            # Hit blocks are cached already; registration resumes after them.
+            self.num_cached_block[req_id] = len(req_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        req_blocks.extend(new_blocks)
+
+        self._cache_blocks(request, num_required_tokens)
+        return new_blocks
+
+    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register every block that is full once ``num_tokens`` tokens are computed.
+
+        Done at allocation, before the worker computes them, as vLLM V1 does: the worker writes a
+        step's KV before any attention reads it, so a request scheduled later in the same step
+        may already hit these blocks. Speculative tokens have no hash, so are never cached.
+        """
+        if not self.enable_caching:
+            return
+        req_id = request.req_id
+        num_cached_blocks = self.num_cached_block.get(req_id, 0)
+        num_full_blocks = min(num_tokens // self.block_size, len(request.block_hashes))
+        if num_full_blocks <= num_cached_blocks:
+            return
+        self.block_pool.cache_full_blocks(
+            request.block_hashes, self.req_to_blocks[req_id], num_cached_blocks, num_full_blocks
+        )
+        self.num_cached_block[req_id] = num_full_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its least shared blocks are evicted first."""
+        blocks = self.req_to_blocks.pop(request.req_id, [])
+        self.num_cached_block.pop(request.req_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(req_id, [])]
+
+    def get_num_blocks(self, req_id: str) -> int:
+        return len(self.req_to_blocks.get(req_id, []))
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants and that request references account for every ref_cnt."""
+        self.block_pool.check_integrity()
+        num_refs = 0
+        for req_id, blocks in self.req_to_blocks.items():
+            ids = [block.block_id for block in blocks]
+            assert len(set(ids)) == len(ids), f"request {req_id} holds a block twice: {ids}"
+            assert all(not block.is_null for block in blocks), f"request {req_id} holds the null block"
+            assert self.num_cached_block.get(req_id, 0) <= len(blocks), (
+                f"request {req_id}: {self.num_cached_block.get(req_id)} cached of {len(blocks)} blocks"
+            )
+            num_refs += len(blocks)
+        assert set(self.num_cached_block) <= set(self.req_to_blocks), "num_cached_block has freed requests"
+        total_ref_cnt = sum(block.ref_cnt for block in self.block_pool.blocks if not block.is_null)
+        assert num_refs == total_ref_cnt, (
+            f"requests hold {num_refs} references but ref_cnts sum to {total_ref_cnt}"
+        )

@@ -1,0 +1,31 @@
+"""What the engine core reports per request per step (msgspec: it crosses process boundaries)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from axon.core.scheduler_output import LogprobsLists
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0

@@ -1,0 +1,138 @@
+"""Request: one sequence inside the engine core, and its status machine.
+
+Progress is one counter: ``num_computed_tokens`` (tokens whose KV is in the cache) catches up
+with ``num_tokens`` (prompt + generated). Prefill, segmented prefill, prefix-cache hits and
+resumption after preemption all follow from it.
+
+    WAITING ──schedule──> RUNNING ──stop/length/abort──> FINISHED_*
+       ^                     │
+       └────PREEMPTED <──────┘   (blocks freed, num_computed_tokens = 0, recomputed later)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from axon.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this point is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+# Legal moves of the status machine; anything else is a bug.
+_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED},
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.RUNNING: {
+        RequestStatus.PREEMPTED,
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_ABORTED,
+    },
+}
+
+
+class Request:
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        block_hasher: Callable[[Request], list[bytes]] | None = None,
+    ) -> None:
+        assert prompt_token_ids, "a request needs at least one prompt token"
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when first scheduled (vLLM's num_cached_tokens).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Chained hashes of this request's full blocks, extended as tokens arrive.
+        self.block_hashes: list[bytes] = []
+        self._block_hasher = block_hasher
+        self._update_block_hashes()
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.sampling_params.max_tokens is not None, "max_tokens is resolved by the input processor"
+        return self.sampling_params.max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def set_status(self, status: RequestStatus) -> None:
+        allowed = _TRANSITIONS.get(self.status, set())
+        assert status in allowed, f"request {self.req_id}: illegal status change {self.status.name} -> {status.name}"
+        self.status = status
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finish_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,229 @@
+"""The holdback scheduler: FCFS admission control over vLLM V1's token-count scheduling.
+
+Each step spends a budget of ``max_num_batched_tokens``:
+  1. running requests first, each catching ``num_computed_tokens`` up with ``num_tokens`` (a
+     decode is one token; a long prompt's next prefill segment is whatever budget is left);
+     when KV runs out anyway, the newest running request is preempted (recomputed later);
+  2. then the holdback queue, admitted in FCFS order only while admission holds: a batch slot
+     is free and the running set is below the worst-case KV concurrency at ``max_model_len``
+     (so decodes never preempt each other into a livelock). The first refusal stops
+     admission, which keeps the order fair.
+No phases: a prompt longer than the budget is simply prefilled over several steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from axon.config import CacheConfig, SchedulerConfig
+from axon.core.kv_cache_manager import KVCacheManager
+from axon.core.kv_cache_utils import max_concurrency
+from axon.core.outputs import EngineCoreOutput, SchedulerStats
+from axon.core.request import Request, RequestStatus
+from axon.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+    ) -> None:
+        assert scheduler_config.max_num_batched_tokens is not None, "resolve_config sets max_num_batched_tokens"
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, max_model_len, self.enable_caching)
+        # The running set's cap: vllm-neuron's worst-case KV concurrency at max_model_len.
+        self.max_running = self.max_num_seqs
+        if scheduler_config.admission_kv_limit:
+            self.max_running = min(self.max_num_seqs, max_concurrency(num_blocks, self.block_size, max_model_len))
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()  # the holdback queue, FCFS
+        self.running: list[Request] = []  # oldest first; the newest is preempted first
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        assert request.req_id not in self.requests, f"duplicate request id {request.req_id}"
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (aborts, stop strings). Unknown ids are ignored."""
+        finished = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.set_status(status)
+            self._free(req)
+            finished.append(req)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted: set[str] = set()
+
+        budget = self._schedule_running(budget, num_scheduled, cached, preempted)
+        if not preempted:
+            self._admit_waiting(budget, num_scheduled, new_reqs)
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _schedule_running(
+        self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData, preempted: set[str]
+    ) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, f"running request {req.req_id} has nothing to compute"
+            new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.req_id)
+                if victim is req:
+                    return budget
+                new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+            num_scheduled[req.req_id] = n
+            cached.req_ids.append(req.req_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            budget -= n
+            i += 1
+        return budget
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            hit_blocks, num_hit_tokens = [], 0
+            if req.sampling_params.prompt_logprobs is None:  # prompt logprobs need every position
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit_tokens, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_hit_tokens, hit_blocks)
+            if new_blocks is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            req.set_status(RequestStatus.RUNNING)
+            self.running.append(req)
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=list(req.output_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(req.req_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+            num_scheduled[req.req_id] = n
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-preemption: drop the KV, keep the tokens, go back to the queue's head."""
+        self.kv_cache_manager.free(req)
+        req.set_status(RequestStatus.PREEMPTED)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- after the step --------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for idx, req_id in enumerate(runner_output.req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            new_token_ids = []
+            for token_id in runner_output.sampled_token_ids[idx]:
+                req.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(req):
+                    break
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if not new_token_ids and prompt_logprobs is None:
+                continue  # a prefill segment: nothing to report yet
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=runner_output.logprobs.get(req_id),
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=req.get_finish_reason(),
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+            if req.is_finished():
+                self.running.remove(req)
+                self._free(req)
+        return outputs
+
+    def _check_stop(self, req: Request) -> bool:
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        # all_stop_token_ids holds EOS (unless ignore_eos) and the user's stop_token_ids.
+        if req.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
+            if last != req.eos_token_id:
+                req.stop_reason = last
+            req.set_status(RequestStatus.FINISHED_STOPPED)
+            return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.set_status(RequestStatus.FINISHED_LENGTH_CAPPED)
+            return True
+        return False
+
+    def _free(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self.finished_req_ids.add(req.req_id)
+        del self.requests[req.req_id]
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,74 @@
+"""The records that cross between the scheduler and the worker: the only types the worker sees.
+
+New requests are sent in full once; requests already on the worker are sent as diffs (new
+block ids and the step's token count). A request resumed after preemption is sent in full again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from axon.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption (empty for a fresh request).
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests the worker already holds, index-aligned lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Blocks appended to each request's block table this step.
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step: the scheduler's whole decision.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished or were preempted since the last step: the worker drops their state.
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Top logprobs of sampled positions: one row per token, the sampled token first.
+
+    token_ids[i] = [sampled, top1, top2, ...]; logprobs[i] aligned; ranks[i] = rank of sampled.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per request; empty when the step only advanced a prefill segment.
+    sampled_token_ids: list[list[int]]
+    # req_id -> logprobs of the tokens sampled this step (only for requests asking for them).
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # req_id -> logprobs for the prompt positions computed this step (first position excluded).
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -1,0 +1,63 @@
+"""From user options to a resolved AxonConfig: build (names checked), then resolve "auto"s."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from axon.config import AxonConfig, build_config, default_cache_root, replace
+from axon.model.loader import default_model_path, gguf_to_hf_folder, load_hf_config
+from axon.model.loader.default_model import DEFAULT_MODEL_NAME
+from axon.model.registry import resolve_model_class
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def create_engine_config(**kwargs: Any) -> AxonConfig:
+    return resolve_config(build_config(**kwargs))
+
+
+def resolve_config(config: AxonConfig) -> AxonConfig:
+    """Locate and read the model, then fill every "auto"/None value. Returns a new tree."""
+    m = config.model_config
+    cache_root = m.cache_root or default_cache_root()
+    model_path = _resolve_model_path(m.model, m.load_format, cache_root)
+    hf = load_hf_config(model_path)
+    resolve_model_class(hf.get("architectures"))  # an unsupported architecture fails here, early
+    model_max = int(hf.get("max_position_embeddings") or 2048)
+    max_model_len = m.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max} "
+                         f"(max_position_embeddings in {model_path}/config.json).")
+    model_config = replace(
+        m,
+        model_path=model_path,
+        hf_config=hf,
+        max_model_len=max_model_len,
+        cache_root=cache_root,
+        tokenizer=m.tokenizer or model_path,
+        served_model_name=m.served_model_name or m.model or DEFAULT_MODEL_NAME,
+        load_format="dummy" if m.load_format == "dummy" else "safetensors",
+    )
+    s = config.scheduler_config
+    scheduler_config = replace(s, max_num_batched_tokens=s.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    c = config.cache_config
+    env_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if c.kv_cache_space_gib is None and env_space and float(env_space) > 0:
+        c = replace(c, kv_cache_space_gib=float(env_space))
+    return replace(config, model_config=model_config, scheduler_config=scheduler_config, cache_config=c)
+
+
+def _resolve_model_path(model: str | None, load_format: str, cache_root: str) -> str:
+    if model is None:
+        model = default_model_path()
+    path = os.path.expanduser(model)
+    if os.path.isfile(path) and (path.endswith(".gguf") or load_format == "gguf"):
+        return gguf_to_hf_folder(path, cache_root)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model folder {path!r} has no config.json")
+        return path
+    if os.path.isfile(path):
+        raise ValueError(f"model file {path!r} is not a .gguf file; pass a GGUF file or an HF folder")
+    raise ValueError(f"model {model!r} is neither a local folder nor a .gguf file (axon never downloads models)")

@@ -1,0 +1,79 @@
+"""EngineCore: the loop. Each step is schedule -> execute -> update, nothing more.
+
+It owns the scheduler and the executor and knows no tokenizer: it speaks token ids in
+(``EngineCoreRequest``) and out (``EngineCoreOutputs``), so it can run in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from axon.config import AxonConfig
+from axon.core.kv_cache_utils import cdiv, make_block_hasher
+from axon.core.request import Request, RequestStatus
+from axon.core.scheduler import Scheduler
+from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from axon.executor.uniproc import UniProcExecutor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: AxonConfig) -> None:
+        self.config = config
+        max_model_len = config.model_config.max_model_len
+        assert max_model_len is not None, "resolve_config() sets max_model_len"
+        self.executor = UniProcExecutor(config)
+        num_blocks = self.executor.determine_num_blocks()
+        _check_kv_fits(num_blocks, config.cache_config.block_size, max_model_len)
+        self.executor.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, max_model_len, num_blocks)
+        self.block_hasher = make_block_hasher(config.cache_config.block_size)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                req_id=request.req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                arrival_time=request.arrival_time,
+                cache_salt=request.cache_salt,
+                block_hasher=self.block_hasher,
+            )
+        )
+
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(outputs=[])
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            raise RuntimeError(f"scheduler made no progress with {self.scheduler.get_num_unfinished_requests()} "
+                               "unfinished requests (a bug: admission should always allow one)")
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception:
+            logger.exception("step failed; scheduled tokens per request: %s", scheduler_output.num_scheduled_tokens)
+            raise
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        stats = self.scheduler.make_stats()
+        stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
+
+
+def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    needed = cdiv(max_model_len, block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache has {num_blocks} blocks of {block_size} tokens, fewer than the {needed} that one "
+            f"sequence of max_model_len={max_model_len} needs (block 0 is reserved); raise kv_cache_space_gib "
+            f"or num_gpu_blocks_override, or lower max_model_len"
+        )

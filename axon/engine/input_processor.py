@@ -1,0 +1,82 @@
+"""InputProcessor: prompts and chat messages -> validated EngineCoreRequests.
+
+Every check on user input lives here, before any engine state changes: a bad request is a
+``ValueError`` that names the value, and nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from axon.config import ModelConfig
+from axon.engine.messages import EngineCoreRequest
+from axon.sampling_params import SamplingParams
+
+# A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
+PromptType = str | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        assert model_config.max_model_len is not None and model_config.hf_config is not None
+        self.max_model_len = model_config.max_model_len
+        self.max_logprobs = model_config.max_logprobs
+        self.vocab_size = int(model_config.hf_config["vocab_size"])
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list | tuple) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self._encode(prompt["prompt"])
+        raise ValueError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
+                         f"got {type(prompt).__name__}")
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise ValueError("the prompt is empty")
+        return list(self.tokenizer.encode(text))
+
+    def process(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                cache_salt: str | None = None) -> EngineCoreRequest:
+        self.validate_prompt(prompt_token_ids)
+        params = params.clone()
+        room = self.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is None:
+            params.max_tokens = room
+        if params.min_tokens > room:
+            raise ValueError(f"min_tokens {params.min_tokens} cannot be reached: the prompt leaves {room} tokens "
+                             f"of max_model_len {self.max_model_len}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} {value} exceeds max_logprobs {self.max_logprobs}")
+        params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
+        return EngineCoreRequest(
+            req_id=req_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time(),
+            cache_salt=cache_salt,
+        )
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: it must be "
+                             f"shorter, to leave room for at least one generated token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")

@@ -1,0 +1,79 @@
+"""LLMEngine: the in-process pipeline, InputProcessor -> EngineCore -> OutputProcessor.
+
+Used by the offline ``LLM`` and the CLI; the server runs the same EngineCore in its own process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from axon.config import AxonConfig
+from axon.engine.core import EngineCore
+from axon.engine.input_processor import InputProcessor, PromptType
+from axon.engine.output_processor import OutputProcessor, ParentRequest
+from axon.engine.tokenizer import get_tokenizer
+from axon.outputs import RequestOutput
+from axon.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: AxonConfig) -> None:
+        self.config = config
+        model_config = config.model_config
+        assert model_config.tokenizer is not None, "resolve_config() sets the tokenizer"
+        self.tokenizer = get_tokenizer(model_config.tokenizer)
+        self.input_processor = InputProcessor(model_config, self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._child_ids: dict[str, list[str]] = {}
+        self._counter = itertools.count()
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> str:
+        """Validate and enqueue one request (n children when params.n > 1). Raises ValueError."""
+        request_id = request_id if request_id is not None else str(next(self._counter))
+        text, prompt_token_ids = self.input_processor.tokenize(prompt)
+        children = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + index
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            # Validation happens for every child before anything is enqueued.
+            children.append((child_id, index, self.input_processor.process(child_id, prompt_token_ids, child_params)))
+        parent = ParentRequest(request_id, text, prompt_token_ids, params.n, output_kind)
+        for child_id, index, core_request in children:
+            self.output_processor.add_request(parent, child_id, index, core_request.sampling_params)
+            self.engine_core.add_request(core_request)
+        self._child_ids[request_id] = [c[0] for c in children]
+        return request_id
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        child_ids = [c for r in request_ids for c in self._child_ids.pop(r, [])]
+        self.engine_core.abort_requests(child_ids)
+        self.output_processor.abort_requests(child_ids)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        request_outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
+        if stopped:
+            self.engine_core.abort_requests(stopped)  # a stop string ended them: free their KV now
+        for out in request_outputs:
+            if out.finished:
+                self._child_ids.pop(out.request_id, None)
+        return request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer

@@ -1,0 +1,82 @@
+"""Rotary position embedding with the rope scalings of the supported families.
+
+Rotation is "neox" style (rotate the two halves of each head), as Hugging Face's Llama, Qwen2,
+Qwen3 and Mistral do. cos/sin are precomputed for every position up to max_position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict) from either transformers<5 keys or the newer rope_parameters."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    legacy = hf_config.get("rope_scaling") or {}
+    theta = float(params.pop("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    scaling = {**legacy, **params}
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.setdefault("rope_type", "default")
+    return theta, scaling
+
+
+def _inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    # [rotary_dim // 2]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    kind = scaling["rope_type"]
+    if kind in ("default", "dynamic"):
+        # dynamic NTK only changes frequencies past the original context; axon caps
+        # max_model_len at the trained length, where it equals default.
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
+        self.register_buffer("cos_cached", torch.empty(max_position, head_dim, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin_cached", torch.empty(max_position, head_dim, dtype=torch.float32), persistent=False)
+        if self.cos_cached.device.type != "meta":
+            self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the cos/sin tables in float32 on the buffers' device."""
+        device = self.cos_cached.device
+        inv_freq = _inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        self.cos_cached = emb.cos().to(device)
+        self.sin_cached = emb.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, KVH, D]
+        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,52 @@
+"""Build the model for a resolved ModelConfig and fill its weights (checkpoint or dummy)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from axon.config import ModelConfig
+from axon.model.layers.attention import AttentionBackend
+from axon.model.loader.safetensors_loader import iterate_safetensors
+from axon.model.registry import resolve_model_class
+
+
+def load_model(
+    model_config: ModelConfig, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+) -> nn.Module:
+    hf = model_config.hf_config
+    assert hf is not None and model_config.model_path is not None, "resolve_config() comes first"
+    cls = resolve_model_class(hf.get("architectures"))
+    # Parameters are built without initialisation (meta), then materialised in place; buffers
+    # (rotary tables) are computed for real, in float32.
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(hf, backend)
+    finally:
+        torch.set_default_dtype(prev)
+    model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    if model_config.load_format == "dummy":
+        _init_dummy_weights(model, model_config.seed)
+    else:
+        model.load_weights(iterate_safetensors(model_config.model_path))
+    return model.eval()
+
+
+def _init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights with a sane scale: N(0, 0.02) matrices, unit norms, zero biases."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)

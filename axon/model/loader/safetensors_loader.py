@@ -1,0 +1,83 @@
+"""Reading a Hugging Face model folder: its config.json and its safetensors weights."""
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_config(folder: str) -> dict[str, Any]:
+    """The parsed `config.json` of a Hugging Face model folder."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"model folder {folder} has no config.json ({path} not found)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, expected an object")
+    return config
+
+
+def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's weights once, as `(name, tensor)`, read through mmap.
+
+    The files are, in order of preference: the shards named by `model.safetensors.index.json`,
+    `model.safetensors`, or every `*.safetensors` in the folder.
+    """
+    files, index_names = _weight_files(folder)
+    seen: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} appears in more than one file of {folder}")
+                seen.add(name)
+                yield name, f.get_tensor(name)
+    missing = index_names - seen
+    if missing:
+        raise ValueError(
+            f"{os.path.join(folder, INDEX_FILE)} lists tensors found in no shard: {sorted(missing)[:5]}"
+        )
+
+
+def _weight_files(folder: str) -> tuple[list[str], set[str]]:
+    """The safetensors files to read, and the tensor names an index promises (empty without one)."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"model folder {folder} does not exist or is not a folder")
+    index_path = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index_path):
+        return _indexed_files(folder, index_path)
+    single = os.path.join(folder, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single], set()
+    files = sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
+    if not files:
+        raise ValueError(f"model folder {folder} has no *.safetensors weights")
+    return files, set()
+
+
+def _indexed_files(folder: str, index_path: str) -> tuple[list[str], set[str]]:
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index_path} is not a valid safetensors index: {e!r}") from e
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path} has an empty or invalid weight_map")
+    # Shard order is the order of first mention, so reading follows the index.
+    shard_names = list(dict.fromkeys(weight_map.values()))
+    files = [os.path.join(folder, name) for name in shard_names]
+    missing = [path for path in files if not os.path.isfile(path)]
+    if missing:
+        raise ValueError(f"{index_path} names shards missing from {folder}: {missing}")
+    return files, set(weight_map)

@@ -1,0 +1,84 @@
+"""The worker's view of each request: tokens, blocks and sampling state, kept across steps.
+
+The scheduler sends a request in full once and diffs afterwards; this is where the diffs land.
+The worker appends the tokens it samples itself, so a decode step needs no token ids from the
+scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from axon.core.scheduler_output import NewRequestData, SchedulerOutput
+from axon.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    token_ids: list[int] = field(init=False)  # prompt + output, kept in step
+
+    def __post_init__(self) -> None:
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class RequestStates:
+    """req_id -> CachedRequestState, updated from each SchedulerOutput."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.states: dict[str, CachedRequestState] = {}
+        # A preempted request keeps its generator, so seeded sampling resumes where it stopped.
+        self.preempted_generators: dict[str, torch.Generator] = {}
+
+    def update(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.preempted_req_ids:
+            state = self.states.pop(req_id, None)
+            if state is not None and state.generator is not None:
+                self.preempted_generators[req_id] = state.generator
+        for req_id in sched.finished_req_ids:
+            self.states.pop(req_id, None)
+            self.preempted_generators.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            self.states[new.req_id] = self._make_state(new)
+        diffs = sched.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(diffs.req_ids, diffs.new_block_ids,
+                                                        diffs.num_computed_tokens, strict=True):
+            state = self.states[req_id]
+            state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed
+
+    def _make_state(self, new: NewRequestData) -> CachedRequestState:
+        generator = self.preempted_generators.pop(new.req_id, None)
+        params = new.sampling_params
+        if generator is None and params.sampling_type == SamplingType.RANDOM_SEED:
+            assert params.seed is not None
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            output_token_ids=list(new.output_token_ids),
+            sampling_params=new.sampling_params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=generator,
+        )
+
+    def __getitem__(self, req_id: str) -> CachedRequestState:
+        return self.states[req_id]

@@ -1,0 +1,167 @@
+"""ModelRunner: SchedulerOutput -> model inputs -> forward -> sample -> ModelRunnerOutput.
+
+One step's tokens are flattened across requests (see the layout in
+``axon/model/layers/attention/backend.py``). ``prepare_inputs`` builds host-side inputs;
+``run_forward`` is the single place a forward happens, which is where bucketed, compiled
+execution slots in; sampling then touches only the rows that complete a sequence's known tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from axon.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from axon.forward_context import set_forward_context
+from axon.model.layers.attention import AttentionMetadata
+from axon.sample.logprobs import compute_logprobs, to_lists
+from axon.sample.metadata import build_sampling_metadata
+from axon.sample.sampler import Sampler
+from axon.worker.input_batch import CachedRequestState, RequestStates
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    # Rows whose last scheduled token is the sequence's last known token: they sample.
+    sample_req_idx: list[int]
+    logits_indices: torch.Tensor  # [num_sampled] token index of each sampling row's last token
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, vocab_size: int, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.requests = RequestStates(device)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.requests.update(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = self.prepare_inputs(sched)
+        hidden = self.run_forward(inputs)  # [T, hidden]
+        sampled, logprobs = self.sample(inputs, hidden)
+        prompt_logprobs = self.compute_prompt_logprobs(inputs, hidden, sched)
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        req_ids = list(sched.num_scheduled_tokens)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_req_idx: list[int] = []
+        logits_indices: list[int] = []
+        bs = self.block_size
+        for i, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            n = sched.num_scheduled_tokens[req_id]
+            start = state.num_computed_tokens
+            end = start + n
+            assert end <= state.num_tokens, f"{req_id}: scheduled past its known tokens"
+            token_ids += state.token_ids[start:end]
+            positions += range(start, end)
+            slots += [state.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            if end == state.num_tokens:
+                sample_req_idx.append(i)
+                logits_indices.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
+        block_table = torch.zeros(len(req_ids), max_blocks, dtype=torch.int64)
+        for i, req_id in enumerate(req_ids):
+            ids = self.requests[req_id].block_ids
+            block_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_actual_tokens=len(token_ids),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table.to(dev),
+            block_size=bs,
+        )
+        return StepInputs(
+            req_ids=req_ids,
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn_metadata=metadata,
+            sample_req_idx=sample_req_idx,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+        )
+
+    def run_forward(self, inputs: StepInputs) -> torch.Tensor:
+        with set_forward_context(inputs.attn_metadata):
+            return self.model(inputs.input_ids, inputs.positions)
+
+    def sample(
+        self, inputs: StepInputs, hidden: torch.Tensor
+    ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
+        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        if not inputs.sample_req_idx:
+            return sampled, {}
+        states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_idx]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
+        metadata = build_sampling_metadata(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            self.vocab_size,
+            self.device,
+        )
+        out = self.sampler(logits, metadata)
+        token_ids = out.sampled_token_ids.tolist()
+        for row, (i, state) in enumerate(zip(inputs.sample_req_idx, states, strict=True)):
+            sampled[i] = [token_ids[row]]
+            state.append_output(token_ids[row])
+        return sampled, self._split_logprobs(states, out.logprobs)
+
+    @staticmethod
+    def _split_logprobs(states: list[CachedRequestState], logprobs) -> dict[str, LogprobsLists]:
+        if logprobs is None:
+            return {}
+        wanted = [s.sampling_params.logprobs for s in states]
+        rows = [r for r, k in enumerate(wanted) if k is not None]
+        lists = to_lists(logprobs, [k or 0 for k in wanted])
+        return {
+            states[r].req_id: LogprobsLists([lists.token_ids[r]], [lists.logprobs[r]], [lists.ranks[r]])
+            for r in rows
+        }
+
+    def compute_prompt_logprobs(
+        self, inputs: StepInputs, hidden: torch.Tensor, sched: SchedulerOutput
+    ) -> dict[str, LogprobsLists]:
+        """Logprobs of prompt tokens 1.. whose predicting position was computed this step."""
+        out: dict[str, LogprobsLists] = {}
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = state.num_computed_tokens
+            # Positions p predict token p + 1; only prompt targets count.
+            end = min(start + sched.num_scheduled_tokens[req_id], len(state.prompt_token_ids) - 1)
+            if end <= start:
+                continue
+            base = inputs.attn_metadata.query_start_loc[i]
+            logits = self.model.compute_logits(hidden[base : base + end - start])  # [n, vocab]
+            targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            lp = compute_logprobs(logits.float(), targets, k)
+            out[req_id] = to_lists(lp, [k] * (end - start))
+        return out

@@ -1,0 +1,75 @@
+"""Worker: one device, the model on it, its KV cache tensors, and the model runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from axon.config import AxonConfig
+from axon.core.kv_cache_utils import cdiv
+from axon.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from axon.model.layers.attention import get_attention_backend
+from axon.model.loader.model_loader import load_model
+from axon.platforms import available_memory_bytes, resolve_device, resolve_dtype
+from axon.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+_AUTO_CPU_KV_CAP_GIB = 4.0
+
+
+class Worker:
+    def __init__(self, config: AxonConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device_config.device)
+        self.dtype = resolve_dtype(config.model_config.dtype, self.device)
+        if config.device_config.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(config.device_config.num_threads)
+        t0 = time.perf_counter()
+        backend = get_attention_backend("reference")
+        self.model = load_model(config.model_config, self.dtype, self.device, backend)
+        self.model_load_time_s = time.perf_counter() - t0
+        hf = config.model_config.hf_config or {}
+        self.runner = ModelRunner(self.model, config.cache_config.block_size, hf["vocab_size"], self.device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def bytes_per_block(self) -> int:
+        arch = self.model.arch
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * arch.num_layers * self.config.cache_config.block_size * arch.num_kv_heads * arch.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks this worker can hold (block 0, the null block, included)."""
+        cache, sched = self.config.cache_config, self.config.scheduler_config
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        per_block = self.bytes_per_block()
+        max_model_len = self.config.model_config.max_model_len
+        assert max_model_len is not None
+        if self.device.type == "cuda":
+            budget = int(available_memory_bytes(self.device) * cache.gpu_memory_utilization)
+        elif cache.kv_cache_space_gib is not None:
+            budget = int(cache.kv_cache_space_gib * _GIB)
+        else:
+            # Enough for max_num_seqs full-length sequences, within a share of free memory.
+            need = (sched.max_num_seqs * cdiv(max_model_len, cache.block_size) + 1) * per_block
+            budget = min(need, int(_AUTO_CPU_KV_CAP_GIB * _GIB), available_memory_bytes(self.device) // 4)
+        return max(budget // per_block, 1)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        arch = self.model.arch
+        shape = (num_blocks, self.config.cache_config.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            kv = (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                  torch.zeros(shape, dtype=self.dtype, device=self.device))
+            layer.kv_cache = kv
+            self.kv_caches.append(kv)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks,
+                    self.config.cache_config.block_size, num_blocks * self.bytes_per_block() / _GIB)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
