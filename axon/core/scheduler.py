@@ -203,7 +203,8 @@ class Scheduler:
         last = req.output_token_ids[-1]
         # all_stop_token_ids holds EOS (unless ignore_eos) and the user's stop_token_ids.
         if req.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
-            if last != req.eos_token_id:
+            # Under ignore_eos the EOS id can only be here as a user stop token: report it (vLLM).
+            if params.ignore_eos or last != req.eos_token_id:
                 req.stop_reason = last
             req.set_status(RequestStatus.FINISHED_STOPPED)
             return True

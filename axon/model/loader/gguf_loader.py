@@ -191,7 +191,9 @@ def _hf_config(meta: _Metadata, spec: GGUFArchitecture, tensors: dict[str, Reade
     head_dim = int(meta.arch_get("attention.key_length", hidden_size // num_heads))
     rotary_dim = int(meta.arch_get("rope.dimension_count", head_dim))
     if rotary_dim != head_dim:
-        raise ValueError(f"{meta.path}: partial rotary (rope.dimension_count {rotary_dim} != head_dim {head_dim})")
+        raise ValueError(
+            f"{meta.path}: partial rotary (rope.dimension_count {rotary_dim} != head_dim {head_dim})"
+        )
     rope_theta = float(meta.arch_get("rope.freq_base", 10000.0))
     # [hidden_size, vocab_size] in ggml order: ne[1] is the vocabulary.
     vocab_size = int(tensors["token_embd.weight"].shape[1])
@@ -240,7 +242,11 @@ def _rope_scaling(
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
         original = meta.arch_get("rope.scaling.original_context_length", required=True)
-        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+        return {
+            "rope_type": "yarn",
+            "factor": float(factor),
+            "original_max_position_embeddings": int(original),
+        }
     raise ValueError(f"{meta.path}: rope scaling type {kind!r} is not supported (supported: linear, yarn)")
 
 
@@ -340,7 +346,9 @@ def _plan_tensors(
     expected = _expected_hf_names(spec, config)
     if set(plan) != expected:
         missing, extra = sorted(expected - set(plan)), sorted(set(plan) - expected)
-        raise ValueError(f"{meta.path}: tensors do not fit a {meta.arch} model: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ValueError(
+            f"{meta.path}: tensors do not fit a {meta.arch} model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     return plan
 
 
@@ -407,7 +415,10 @@ def _write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], folder: str)
     final = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     for tmp_name, final_name in zip(shard_files, final, strict=True):
         os.rename(os.path.join(folder, tmp_name), os.path.join(folder, final_name))
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": {k: final[i] for k, i in weight_map.items()}}
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": {k: final[i] for k, i in weight_map.items()},
+    }
     _write_json(os.path.join(folder, "model.safetensors.index.json"), index)
 
 
@@ -425,7 +436,9 @@ def _write_tokenizer(path: str, folder: str, chat_template: str | None, max_leng
         os.symlink(path, os.path.join(source, "model.gguf"))
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file="model.gguf", local_files_only=True)
     except Exception as e:  # transformers raises assorted types for tokenizers it cannot convert
-        raise ValueError(f"{path}: cannot build a tokenizer from its metadata: {type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"{path}: cannot build a tokenizer from its metadata: {type(e).__name__}: {e}"
+        ) from e
     finally:
         shutil.rmtree(source)
     tokenizer.save_pretrained(folder, save_jinja_files=False)

@@ -24,7 +24,7 @@ def load_hf_config(folder: str) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a JSON {type(config).__name__}, expected an object")
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, expected an object")  # noqa: TRY004
     return config
 
 

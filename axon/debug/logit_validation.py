@@ -1,0 +1,50 @@
+"""Teacher-forced logits of an axon model, for validation against the oracle (transformers).
+
+Runs the model on one sequence through the real paged-attention path, on a private KV cache
+(the layers' own cache is restored afterwards), optionally in prefill segments so that the
+cached-prefix branch of attention is exercised too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from axon.forward_context import set_forward_context
+from axon.model.layers.attention import AttentionMetadata
+
+
+@torch.inference_mode()
+def teacher_forced_logits(
+    model: nn.Module, token_ids: list[int], block_size: int = 16, segment: int | None = None
+) -> torch.Tensor:
+    """[len(token_ids), vocab] float32 logits; ``segment`` splits the prefill into chunks."""
+    layers = model.attention_layers()
+    arch = model.arch
+    param = next(model.parameters())
+    num_blocks = -(-len(token_ids) // block_size) + 1
+    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    saved = [layer.kv_cache for layer in layers]
+    for layer in layers:
+        layer.kv_cache = (torch.zeros(shape, dtype=param.dtype, device=param.device),
+                          torch.zeros(shape, dtype=param.dtype, device=param.device))
+    # Blocks 1..n in reverse order, so that a wrong block-table lookup cannot pass by accident.
+    block_ids = list(range(num_blocks - 1, 0, -1))
+    block_table = torch.tensor([block_ids], dtype=torch.int64, device=param.device)
+    step = segment or len(token_ids)
+    out = []
+    try:
+        for start in range(0, len(token_ids), step):
+            end = min(start + step, len(token_ids))
+            positions = torch.arange(start, end, device=param.device)
+            slots = torch.tensor([block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)],
+                                 device=param.device)
+            metadata = AttentionMetadata(end - start, slots, [0, end - start], [end], block_table, block_size)
+            ids = torch.tensor(token_ids[start:end], device=param.device)
+            with set_forward_context(metadata):
+                hidden = model(ids, positions)
+            out.append(model.compute_logits(hidden).float())
+    finally:
+        for layer, kv in zip(layers, saved, strict=True):
+            layer.kv_cache = kv
+    return torch.cat(out)

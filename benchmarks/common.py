@@ -1,0 +1,125 @@
+"""Shared pieces of axon's benchmarks: model folders, fixed workloads, timing and tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+TINY_LLAMA_SHAPE: dict[str, Any] = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+}
+TINY_LLAMA_SEED = 0
+
+
+def bench_cache_root() -> str:
+    return os.path.join(os.path.expanduser("~/.cache/axon"), "bench")
+
+
+def smollm2_folder() -> str:
+    """The bundled SmolLM2-135M-Instruct as an HF folder (converted from its GGUF on first use)."""
+    from axon.engine.arg_utils import create_engine_config
+
+    path = create_engine_config(model=None).model_config.model_path
+    assert path is not None, "resolve_config() sets model_path"
+    return path
+
+
+def tiny_llama_folder() -> str:
+    """A seeded random-weight Llama saved once (safetensors, bf16) with SmolLM2's tokenizer."""
+    folder = os.path.join(bench_cache_root(), "tiny-llama")
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        _build_tiny_llama(folder)
+    return folder
+
+
+def _build_tiny_llama(folder: str) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    config = LlamaConfig(
+        **TINY_LLAMA_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False
+    )
+    torch.manual_seed(TINY_LLAMA_SEED)
+    model = LlamaForCausalLM(config).bfloat16()
+    # Write to a temporary folder and rename, so an interrupted build never looks finished.
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    os.replace(tmp, folder)
+
+
+MODEL_FOLDERS: dict[str, Callable[[], str]] = {"tiny": tiny_llama_folder, "smollm2": smollm2_folder}
+
+
+def model_folder(name: str) -> str:
+    if name not in MODEL_FOLDERS:
+        raise ValueError(f"unknown model {name!r}; supported: {', '.join(MODEL_FOLDERS)}")
+    return MODEL_FOLDERS[name]()
+
+
+def vocab_size(folder: str) -> int:
+    with open(os.path.join(folder, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``num_prompts`` lists of ``input_len`` token ids in [0, vocab), the same for a given seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def time_call(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    model: str
+    engine: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    load_s: float
+    run_s: list[float]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.run_s)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.num_prompts * self.output_len / self.median_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return self.num_prompts * (self.input_len + self.output_len) / self.median_s
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            **asdict(self),
+            "median_s": self.median_s,
+            "output_tok_s": self.output_tok_s,
+            "total_tok_s": self.total_tok_s,
+        }
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""Shared fixtures: the bundled SmolLM2 folder and tiny random-weight models of each family.
+
+Random models are built with transformers' own config and model classes, saved as safetensors
+folders with SmolLM2's tokenizer, so axon and the oracle load the very same weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+
+
+def tiny_hf_config(family: str):
+    import transformers as tf
+
+    if family == "llama":
+        return tf.LlamaConfig(**TINY_DIMS, tie_word_embeddings=False)
+    if family == "llama3":
+        return tf.LlamaConfig(**TINY_DIMS, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if family == "llama_tied":
+        return tf.LlamaConfig(**TINY_DIMS, tie_word_embeddings=True)
+    if family == "qwen2":
+        return tf.Qwen2Config(**TINY_DIMS)
+    if family == "qwen3":
+        return tf.Qwen3Config(**TINY_DIMS, head_dim=32)
+    if family == "mistral":
+        return tf.MistralConfig(**TINY_DIMS, sliding_window=None)
+    raise KeyError(family)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from axon.engine.arg_utils import create_engine_config
+
+    path = create_engine_config().model_config.model_path
+    assert path is not None
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str):
+    """family -> folder of a tiny random model (built once per session)."""
+    import transformers as tf
+
+    built: dict[str, str] = {}
+
+    def make(family: str) -> str:
+        if family not in built:
+            torch.manual_seed(0)
+            config = tiny_hf_config(family)
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.no_grad():  # biases default to zero; make them count
+                for name, p in model.named_parameters():
+                    if name.endswith("bias"):
+                        p.normal_(0, 0.1)
+            folder = Path(tmp_path_factory.mktemp(f"tiny-{family}"))
+            model.save_pretrained(folder)
+            tf.AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(folder)
+            built[family] = str(folder)
+        return built[family]
+
+    return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _threads() -> None:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
