@@ -1,7 +1,9 @@
 """The pure-torch reference attention backend: the oracle for every fast kernel.
 
-One request at a time: gather its keys and values from the paged cache through its block
-table, then causal attention of its queries (the last q_len positions of seq_len) in float32.
+Keys and values are gathered from the paged cache through each request's block table and
+attended in float32. Requests with one query (decodes) are attended together, padded to the
+longest context; requests with several queries (prefill segments) one at a time, causally.
+Grouped-query attention is a reshape: query heads [KVH * G] attend their KV head.
 """
 
 from __future__ import annotations
@@ -23,25 +25,63 @@ class ReferenceAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         out = torch.zeros_like(q)
-        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        bs = metadata.block_size
-        for i, seq_len in enumerate(metadata.seq_lens):
-            start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
-            q_len = end - start
-            if q_len == 0:
-                continue
-            num_blocks = -(-seq_len // bs)
-            blocks = metadata.block_table[i, :num_blocks]
-            k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[-1])[:seq_len]  # [S, KVH, D]
-            v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[-1])[:seq_len]
-            k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-            v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-            qi = q[start:end].float().transpose(0, 1)  # [H, q_len, D]
-            scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [H, q_len, S]
-            q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
-            causal = torch.arange(seq_len).unsqueeze(0) <= q_pos  # [q_len, S]
-            scores = scores.masked_fill(~causal, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)  # [q_len, H, D]
+        qsl = metadata.query_start_loc
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(len(metadata.seq_lens))]
+        decodes = [i for i, n in enumerate(q_lens) if n == 1]
+        if decodes:
+            rows = torch.tensor([qsl[i] for i in decodes], device=q.device)
+            out[rows] = _attend_decodes(q[rows], k_cache, v_cache, metadata, decodes, scale).to(q.dtype)
+        for i, n in enumerate(q_lens):
+            if n > 1:
+                seq_len = metadata.seq_lens[i]
+                k, v = _gather_kv(k_cache, v_cache, metadata.block_table[i : i + 1], seq_len, metadata.block_size)
+                q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, S] causal
+                out[qsl[i] : qsl[i + 1]] = _attend(q[None, qsl[i] : qsl[i + 1]], k, v, mask[None], scale)[0].to(q.dtype)
         return out
+
+
+def _attend_decodes(
+    q: torch.Tensor,  # [B, H, D], one query per request
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    req_idx: list[int],
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    seq_lens = torch.tensor([metadata.seq_lens[i] for i in req_idx], device=q.device)
+    max_len = int(seq_lens.max())
+    block_table = metadata.block_table[torch.tensor(req_idx, device=q.device)]
+    k, v = _gather_kv(k_cache, v_cache, block_table, max_len, metadata.block_size)
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+    return _attend(q[:, None], k, v, mask[:, None], scale)[:, 0]
+
+
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, seq_len, KVH, D] keys and values of the first seq_len positions of each table row."""
+    num_blocks = -(-seq_len // block_size)
+    table = block_table[:, :num_blocks]  # [B, nb]
+    b = table.shape[0]
+    k = k_cache[table].reshape(b, num_blocks * block_size, *k_cache.shape[2:])[:, :seq_len]
+    v = v_cache[table].reshape(b, num_blocks * block_size, *v_cache.shape[2:])[:, :seq_len]
+    return k, v
+
+
+def _attend(
+    q: torch.Tensor,  # [B, Q, H, D]
+    k: torch.Tensor,  # [B, S, KVH, D]
+    v: torch.Tensor,  # [B, S, KVH, D]
+    mask: torch.Tensor,  # [B, Q, S] bool, True = may attend
+    scale: float,
+) -> torch.Tensor:  # [B, Q, H, D] float32
+    b, nq, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.float().reshape(b, nq, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [B, KVH, G, Q, D]
+    kt = k.float().permute(0, 2, 3, 1)[:, :, None]  # [B, KVH, 1, D, S]
+    vt = v.float().permute(0, 2, 1, 3)[:, :, None]  # [B, KVH, 1, S, D]
+    scores = torch.matmul(qg, kt) * scale  # [B, KVH, G, Q, S]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vt)  # [B, KVH, G, Q, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, nq, h, d)
