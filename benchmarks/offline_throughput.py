@@ -104,12 +104,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up; the median is reported")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, all cores)"
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     args = p.parse_args(argv)
     args.models = _names(p, "--models", args.models, MODEL_FOLDERS)
     args.engines = _names(p, "--engines", args.engines, ENGINES)
-    for flag in ("num_prompts", "input_len", "output_len", "runs"):
-        if getattr(args, flag) < 1:
+    for flag in ("num_prompts", "input_len", "output_len", "runs", "threads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     return args
 
@@ -150,33 +153,44 @@ def check_lengths(engine: str, model: str, lengths: list[int], output_len: int) 
     )
 
 
+TABLE_HEADER = [
+    "model",
+    "engine",
+    "output tok/s",
+    "total tok/s",
+    "axon/transformers",
+    "median s",
+    "runs s",
+    "load s",
+]
+
+
 def results_table(results: list[ThroughputResult]) -> str:
     by_key = {(r.model, r.engine): r for r in results}
-    rows = []
-    for r in results:
-        base = by_key.get((r.model, "transformers"))
-        ratio = (
-            f"{r.output_tok_s / base.output_tok_s:.2f}x" if base is not None and r.engine == "axon" else ""
-        )
-        rows.append(
-            [
-                r.model,
-                r.engine,
-                f"{r.output_tok_s:,.1f}",
-                f"{r.total_tok_s:,.1f}",
-                ratio,
-                f"{r.median_s:.2f}",
-                f"{r.load_s:.1f}",
-            ]
-        )
-    header = ["model", "engine", "output tok/s", "total tok/s", "axon/transformers", "median s", "load s"]
-    return markdown_table(header, rows)
+    return markdown_table(TABLE_HEADER, [_row(r, by_key.get((r.model, "transformers"))) for r in results])
+
+
+def _row(r: ThroughputResult, base: ThroughputResult | None) -> list[str]:
+    ratio = f"{r.output_tok_s / base.output_tok_s:.2f}x" if base is not None and r.engine == "axon" else ""
+    runs = "/".join(f"{t:.1f}" for t in r.run_s)
+    return [
+        r.model,
+        r.engine,
+        f"{r.output_tok_s:,.1f}",
+        f"{r.total_tok_s:,.1f}",
+        ratio,
+        f"{r.median_s:.2f}",
+        runs,
+        f"{r.load_s:.1f}",
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
     args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # both engines run in this process and use torch's setting
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.num_prompts} prompts x "
         f"{args.input_len} -> {args.output_len} tokens, greedy, {args.dtype}, {args.runs} runs",

@@ -37,7 +37,11 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     files, index_names = _weight_files(folder)
     seen: set[str] = set()
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        try:
+            handle = safe_open(path, framework="pt")
+        except Exception as e:  # safetensors raises its own error type for a corrupt header
+            raise ValueError(f"cannot read {path}: not a valid safetensors file ({e})") from e
+        with handle as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in seen:
                     raise ValueError(f"tensor {name!r} appears in more than one file of {folder}")
