@@ -157,7 +157,7 @@ def build_config(**kwargs: Any) -> AxonConfig:
         grouped.setdefault(owner, {})[name] = value
     additional = grouped.pop("additional_config", {}).get("additional_config") or {}
     if not isinstance(additional, dict):
-        raise ValueError(f"additional_config must be a JSON object, got {additional!r}")
+        raise ValueError(f"additional_config must be a JSON object, got {additional!r}")  # noqa: TRY004
     subs = {owner: type(getattr(AxonConfig(), owner))(**opts) for owner, opts in grouped.items()}
     config = AxonConfig(**subs, additional_config=additional)
     validate_config(config)
@@ -172,28 +172,65 @@ def validate_config(config: AxonConfig) -> None:
         if not ok:
             raise ValueError(f"{name} {why}, got {value!r}.")
 
-    need(m.dtype in ("auto", "float32", "bfloat16", "float16", "half", "float"), "dtype", m.dtype,
-         "must be one of auto, float32, bfloat16, float16")
-    need(m.load_format in ("auto", "safetensors", "gguf", "dummy"), "load_format", m.load_format,
-         "must be one of auto, safetensors, gguf, dummy")
-    need(m.max_model_len is None or m.max_model_len >= 1, "max_model_len", m.max_model_len, "must be at least 1")
-    need(c.block_size >= 1 and c.block_size & (c.block_size - 1) == 0, "block_size", c.block_size,
-         "must be a positive power of two")
-    need(c.num_gpu_blocks_override is None or c.num_gpu_blocks_override >= 2, "num_gpu_blocks_override",
-         c.num_gpu_blocks_override, "must be at least 2 (block 0 is reserved)")
-    need(c.kv_cache_space_gib is None or c.kv_cache_space_gib > 0, "kv_cache_space_gib", c.kv_cache_space_gib,
-         "must be positive")
-    need(0.0 < c.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", c.gpu_memory_utilization,
-         "must be in (0, 1]")
+    need(
+        m.dtype in ("auto", "float32", "bfloat16", "float16", "half", "float"),
+        "dtype",
+        m.dtype,
+        "must be one of auto, float32, bfloat16, float16",
+    )
+    need(
+        m.load_format in ("auto", "safetensors", "gguf", "dummy"),
+        "load_format",
+        m.load_format,
+        "must be one of auto, safetensors, gguf, dummy",
+    )
+    need(
+        m.max_model_len is None or m.max_model_len >= 1,
+        "max_model_len",
+        m.max_model_len,
+        "must be at least 1",
+    )
+    need(
+        c.block_size >= 1 and c.block_size & (c.block_size - 1) == 0,
+        "block_size",
+        c.block_size,
+        "must be a positive power of two",
+    )
+    need(
+        c.num_gpu_blocks_override is None or c.num_gpu_blocks_override >= 2,
+        "num_gpu_blocks_override",
+        c.num_gpu_blocks_override,
+        "must be at least 2 (block 0 is reserved)",
+    )
+    need(
+        c.kv_cache_space_gib is None or c.kv_cache_space_gib > 0,
+        "kv_cache_space_gib",
+        c.kv_cache_space_gib,
+        "must be positive",
+    )
+    need(
+        0.0 < c.gpu_memory_utilization <= 1.0,
+        "gpu_memory_utilization",
+        c.gpu_memory_utilization,
+        "must be in (0, 1]",
+    )
     need(c.kv_cache_dtype == "auto", "kv_cache_dtype", c.kv_cache_dtype, "supports only 'auto' for now")
     need(s.max_num_seqs >= 1, "max_num_seqs", s.max_num_seqs, "must be at least 1")
-    need(s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-         s.max_num_batched_tokens, "must be at least 1")
+    need(
+        s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1,
+        "max_num_batched_tokens",
+        s.max_num_batched_tokens,
+        "must be at least 1",
+    )
     need(s.scheduling_policy == "fcfs", "scheduling_policy", s.scheduling_policy, "supports only 'fcfs'")
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         need(getattr(p, name) == 1, name, getattr(p, name), "must be 1 (parallelism is not built yet)")
-    need(config.device_config.device in ("auto", "cpu", "cuda"), "device", config.device_config.device,
-         "must be one of auto, cpu, cuda")
+    need(
+        config.device_config.device in ("auto", "cpu", "cuda"),
+        "device",
+        config.device_config.device,
+        "must be one of auto, cpu, cuda",
+    )
     need(m.max_logprobs >= 0, "max_logprobs", m.max_logprobs, "must be non-negative")
 
 

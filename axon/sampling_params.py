@@ -115,10 +115,15 @@ class SamplingParams:
 
     def update_from_tokenizer(self, eos_token_id: int | None, vocab_size: int) -> None:
         """Resolve the stop-token set and check token ids against the vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or {})),
+        ):
             for tok in ids:
                 if not 0 <= tok < vocab_size:
-                    raise ValueError(f"{name} holds token id {tok}, outside the vocabulary [0, {vocab_size}).")
+                    raise ValueError(
+                        f"{name} holds token id {tok}, outside the vocabulary [0, {vocab_size})."
+                    )
         self.all_stop_token_ids = set(self.stop_token_ids)
         if eos_token_id is not None and not self.ignore_eos:
             self.all_stop_token_ids.add(eos_token_id)

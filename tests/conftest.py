@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+TINY_DIMS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
 
 
 def tiny_hf_config(family: str):
@@ -22,8 +29,16 @@ def tiny_hf_config(family: str):
     if family == "llama":
         return tf.LlamaConfig(**TINY_DIMS, tie_word_embeddings=False)
     if family == "llama3":
-        return tf.LlamaConfig(**TINY_DIMS, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return tf.LlamaConfig(
+            **TINY_DIMS,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if family == "llama_tied":
         return tf.LlamaConfig(**TINY_DIMS, tie_word_embeddings=True)
     if family == "qwen2":

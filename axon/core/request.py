@@ -46,7 +46,11 @@ _FINISH_REASONS = {
 
 # Legal moves of the status machine; anything else is a bug.
 _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
-    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED},
+    RequestStatus.WAITING: {
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_IGNORED,
+    },
     RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
     RequestStatus.RUNNING: {
         RequestStatus.PREEMPTED,
@@ -122,7 +126,9 @@ class Request:
 
     def set_status(self, status: RequestStatus) -> None:
         allowed = _TRANSITIONS.get(self.status, set())
-        assert status in allowed, f"request {self.req_id}: illegal status change {self.status.name} -> {status.name}"
+        assert status in allowed, (
+            f"request {self.req_id}: illegal status change {self.status.name} -> {status.name}"
+        )
         self.status = status
 
     def is_finished(self) -> bool:

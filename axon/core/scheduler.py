@@ -32,17 +32,23 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int,
     ) -> None:
-        assert scheduler_config.max_num_batched_tokens is not None, "resolve_config sets max_num_batched_tokens"
+        assert scheduler_config.max_num_batched_tokens is not None, (
+            "resolve_config sets max_num_batched_tokens"
+        )
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, max_model_len, self.enable_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, max_model_len, self.enable_caching
+        )
         # The running set's cap: vllm-neuron's worst-case KV concurrency at max_model_len.
         self.max_running = self.max_num_seqs
         if scheduler_config.admission_kv_limit:
-            self.max_running = min(self.max_num_seqs, max_concurrency(num_blocks, self.block_size, max_model_len))
+            self.max_running = min(
+                self.max_num_seqs, max_concurrency(num_blocks, self.block_size, max_model_len)
+            )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()  # the holdback queue, FCFS
         self.running: list[Request] = []  # oldest first; the newest is preempted first
@@ -126,7 +132,9 @@ class Scheduler:
             i += 1
         return budget
 
-    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]) -> None:
+    def _admit_waiting(
+        self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
             hit_blocks, num_hit_tokens = [], 0

@@ -26,8 +26,10 @@ def teacher_forced_logits(
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     saved = [layer.kv_cache for layer in layers]
     for layer in layers:
-        layer.kv_cache = (torch.zeros(shape, dtype=param.dtype, device=param.device),
-                          torch.zeros(shape, dtype=param.dtype, device=param.device))
+        layer.kv_cache = (
+            torch.zeros(shape, dtype=param.dtype, device=param.device),
+            torch.zeros(shape, dtype=param.dtype, device=param.device),
+        )
     # Blocks 1..n in reverse order, so that a wrong block-table lookup cannot pass by accident.
     block_ids = list(range(num_blocks - 1, 0, -1))
     block_table = torch.tensor([block_ids], dtype=torch.int64, device=param.device)
@@ -37,8 +39,10 @@ def teacher_forced_logits(
         for start in range(0, len(token_ids), step):
             end = min(start + step, len(token_ids))
             positions = torch.arange(start, end, device=param.device)
-            slots = torch.tensor([block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)],
-                                 device=param.device)
+            slots = torch.tensor(
+                [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)],
+                device=param.device,
+            )
             metadata = AttentionMetadata(end - start, slots, [0, end - start], [end], block_table, block_size)
             ids = torch.tensor(token_ids[start:end], device=param.device)
             with set_forward_context(metadata):

@@ -27,8 +27,10 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     model_max = int(hf.get("max_position_embeddings") or 2048)
     max_model_len = m.max_model_len or model_max
     if max_model_len > model_max:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max} "
-                         f"(max_position_embeddings in {model_path}/config.json).")
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's context length {model_max} "
+            f"(max_position_embeddings in {model_path}/config.json)."
+        )
     model_config = replace(
         m,
         model_path=model_path,
@@ -40,7 +42,9 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
         load_format="dummy" if m.load_format == "dummy" else "safetensors",
     )
     s = config.scheduler_config
-    scheduler_config = replace(s, max_num_batched_tokens=s.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    scheduler_config = replace(
+        s, max_num_batched_tokens=s.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
     c = config.cache_config
     env_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if c.kv_cache_space_gib is None and env_space and float(env_space) > 0:
@@ -60,4 +64,6 @@ def _resolve_model_path(model: str | None, load_format: str, cache_root: str) ->
         return path
     if os.path.isfile(path):
         raise ValueError(f"model file {path!r} is not a .gguf file; pass a GGUF file or an HF folder")
-    raise ValueError(f"model {model!r} is neither a local folder nor a .gguf file (axon never downloads models)")
+    raise ValueError(
+        f"model {model!r} is neither a local folder nor a .gguf file (axon never downloads models)"
+    )

@@ -56,12 +56,16 @@ class EngineCore:
             return EngineCoreOutputs(outputs=[])
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            raise RuntimeError(f"scheduler made no progress with {self.scheduler.get_num_unfinished_requests()} "
-                               "unfinished requests (a bug: admission should always allow one)")
+            raise RuntimeError(
+                f"scheduler made no progress with {self.scheduler.get_num_unfinished_requests()} "
+                "unfinished requests (a bug: admission should always allow one)"
+            )
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception:
-            logger.exception("step failed; scheduled tokens per request: %s", scheduler_output.num_scheduled_tokens)
+            logger.exception(
+                "step failed; scheduled tokens per request: %s", scheduler_output.num_scheduled_tokens
+            )
             raise
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         stats = self.scheduler.make_stats()

@@ -45,7 +45,9 @@ class IncrementalDetokenizer:
     def _decode_next(self, token_id: int) -> str:
         self.tokens.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens)
+        prefix = decode(
+            self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens
+        )
         full = decode(self.tokens[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
@@ -63,7 +65,11 @@ class IncrementalDetokenizer:
 
     def next_delta(self, finished: bool) -> str:
         """Text not yet streamed, holding back what might still turn into a stop string."""
-        end = len(self.output_text) if finished else max(len(self.output_text) - self.stop_buffer, self._sent_offset)
+        end = (
+            len(self.output_text)
+            if finished
+            else max(len(self.output_text) - self.stop_buffer, self._sent_offset)
+        )
         delta = self.output_text[self._sent_offset : end]
         self._sent_offset = end
         return delta

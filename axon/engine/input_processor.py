@@ -38,24 +38,29 @@ class InputProcessor:
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return prompt["prompt"], self._encode(prompt["prompt"])
-        raise ValueError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
-                         f"got {type(prompt).__name__}")
+        raise ValueError(
+            f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
+            f"got {type(prompt).__name__}"
+        )
 
     def _encode(self, text: str) -> list[int]:
         if not text:
             raise ValueError("the prompt is empty")
         return list(self.tokenizer.encode(text))
 
-    def process(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                cache_salt: str | None = None) -> EngineCoreRequest:
+    def process(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> EngineCoreRequest:
         self.validate_prompt(prompt_token_ids)
         params = params.clone()
         room = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is None:
             params.max_tokens = room
         if params.min_tokens > room:
-            raise ValueError(f"min_tokens {params.min_tokens} cannot be reached: the prompt leaves {room} tokens "
-                             f"of max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"min_tokens {params.min_tokens} cannot be reached: the prompt leaves {room} tokens "
+                f"of max_model_len {self.max_model_len}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
@@ -75,8 +80,10 @@ class InputProcessor:
         if n == 0:
             raise ValueError("the prompt is empty (0 tokens)")
         if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: it must be "
-                             f"shorter, to leave room for at least one generated token")
+            raise ValueError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: it must be "
+                f"shorter, to leave room for at least one generated token"
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")

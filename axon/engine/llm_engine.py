@@ -49,7 +49,9 @@ class LLMEngine:
                     child_params.seed = params.seed + index
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             # Validation happens for every child before anything is enqueued.
-            children.append((child_id, index, self.input_processor.process(child_id, prompt_token_ids, child_params)))
+            children.append(
+                (child_id, index, self.input_processor.process(child_id, prompt_token_ids, child_params))
+            )
         parent = ParentRequest(request_id, text, prompt_token_ids, params.n, output_kind)
         for child_id, index, core_request in children:
             self.output_processor.add_request(parent, child_id, index, core_request.sampling_params)

@@ -85,7 +85,11 @@ class OutputProcessor:
                 continue  # finished here already (stop string) while the core ran one more step
             parent = child.parent
             parent.num_cached_tokens = out.num_cached_tokens
-            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
+            if (
+                out.new_prompt_logprobs is not None
+                and parent.prompt_logprobs is not None
+                and child.index == 0
+            ):
                 parent.prompt_logprobs += self._to_logprob_dicts(out.new_prompt_logprobs)
             child.token_ids += out.new_token_ids
             if child.want_logprobs and out.new_logprobs is not None:
@@ -105,7 +109,9 @@ class OutputProcessor:
                 request_outputs.append(result)
         return request_outputs, stopped_by_string
 
-    def _finish(self, child_id: str, child: ChildState, finish_reason: str, stop_reason: int | str | None) -> RequestOutput | None:
+    def _finish(
+        self, child_id: str, child: ChildState, finish_reason: str, stop_reason: int | str | None
+    ) -> RequestOutput | None:
         child.finish_reason, child.stop_reason = finish_reason, stop_reason
         del self.children[child_id]
         child.parent.num_finished += 1
@@ -148,7 +154,9 @@ class OutputProcessor:
     def _to_logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
         rows = []
         for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks, strict=True):
-            row = {tok: Logprob(lp, i, self._decode(tok)) for i, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), 1)}
+            row = {
+                tok: Logprob(lp, i, self._decode(tok)) for i, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), 1)
+            }
             row.setdefault(ids[0], Logprob(lps[0], rank, self._decode(ids[0])))
             rows.append(row)
         return rows

@@ -63,8 +63,14 @@ def _sampling_params(args: argparse.Namespace):
     from axon.sampling_params import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.sampling_seed, repetition_penalty=args.repetition_penalty, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
     )
 
 
@@ -73,12 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    gen.add_argument("--chat-template-off", action="store_true", help="send the prompt raw, not as a chat message")
+    gen.add_argument(
+        "--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"
+    )
+    gen.add_argument(
+        "--chat-template-off", action="store_true", help="send the prompt raw, not as a chat message"
+    )
     _sampling_args(gen)
     add_engine_args(gen)
     chat = sub.add_parser("chat", help="an interactive chat that streams tokens as they come")
-    chat.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    chat.add_argument(
+        "--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"
+    )
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_args(chat)
     add_engine_args(chat)

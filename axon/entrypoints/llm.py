@@ -48,8 +48,11 @@ class LLM:
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = [
-            {"prompt_token_ids": self.apply_chat_template(conv, chat_template, add_generation_prompt,
-                                                          chat_template_kwargs)}
+            {
+                "prompt_token_ids": self.apply_chat_template(
+                    conv, chat_template, add_generation_prompt, chat_template_kwargs
+                )
+            }
             for conv in conversations
         ]
         params = self._params_per_prompt(sampling_params, len(prompts))
@@ -66,8 +69,11 @@ class LLM:
         if chat_template is None and tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; pass chat_template=...")
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-            tokenize=False, **(chat_template_kwargs or {}),
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -80,11 +86,15 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         if len(sampling_params) != num_prompts:
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts; "
-                             "pass one, or one per prompt")
+            raise ValueError(
+                f"got {len(sampling_params)} sampling_params for {num_prompts} prompts; "
+                "pass one, or one per prompt"
+            )
         return list(sampling_params)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Validate every prompt before enqueuing any, so a bad one changes nothing.
         ids = []

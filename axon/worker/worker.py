@@ -39,7 +39,14 @@ class Worker:
     def bytes_per_block(self) -> int:
         arch = self.model.arch
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * arch.num_layers * self.config.cache_config.block_size * arch.num_kv_heads * arch.head_dim * elem
+        return (
+            2
+            * arch.num_layers
+            * self.config.cache_config.block_size
+            * arch.num_kv_heads
+            * arch.head_dim
+            * elem
+        )
 
     def determine_num_blocks(self) -> int:
         """KV blocks this worker can hold (block 0, the null block, included)."""
@@ -64,12 +71,18 @@ class Worker:
         shape = (num_blocks, self.config.cache_config.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = []
         for layer in self.model.attention_layers():
-            kv = (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                  torch.zeros(shape, dtype=self.dtype, device=self.device))
+            kv = (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             layer.kv_cache = kv
             self.kv_caches.append(kv)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks,
-                    self.config.cache_config.block_size, num_blocks * self.bytes_per_block() / _GIB)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            self.config.cache_config.block_size,
+            num_blocks * self.bytes_per_block() / _GIB,
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

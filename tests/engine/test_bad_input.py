@@ -69,7 +69,9 @@ def test_token_id_outside_vocabulary(llm: LLM) -> None:
 def test_a_bad_request_among_good_ones_changes_nothing(llm: LLM) -> None:
     good = "The sky is"
     with pytest.raises(ValueError):
-        llm.generate([good, {"prompt_token_ids": [7] * 100}, good], SamplingParams(max_tokens=4), use_tqdm=False)
+        llm.generate(
+            [good, {"prompt_token_ids": [7] * 100}, good], SamplingParams(max_tokens=4), use_tqdm=False
+        )
     _engine_is_clean(llm)
     out = llm.generate([good, good], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]

@@ -45,15 +45,17 @@ def test_greedy_matches_transformers_generate(llm: LLM, hf_model) -> None:
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
         comp = out.outputs[0]
-        assert comp.token_ids == ref[0, len(ids):].tolist(), prompt
+        assert comp.token_ids == ref[0, len(ids) :].tolist(), prompt
         assert comp.text == tokenizer.decode(comp.token_ids, skip_special_tokens=True)
         assert comp.finish_reason == ("stop" if comp.token_ids[-1] == tokenizer.eos_token_id else "length")
 
 
 def test_batch_invariance(llm: LLM) -> None:
     rng = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (int(n),), generator=rng).tolist()}
-               for n in torch.randint(3, 60, (16,), generator=rng)]
+    prompts = [
+        {"prompt_token_ids": torch.randint(100, 40000, (int(n),), generator=rng).tolist()}
+        for n in torch.randint(3, 60, (16,), generator=rng)
+    ]
     batched = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     alone = [_tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
     assert batched == alone
@@ -64,7 +66,9 @@ def test_prefix_caching_on_off_identical(smollm2_path: str, llm: LLM) -> None:
     prompts = [shared + q for q in ("What is rain?", "What is snow?", "What is hail?")]
     with_cache = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert with_cache[-1].num_cached_tokens > 0, "the shared prefix was not found in the cache"
-    no_cache = LLM(model=smollm2_path, dtype="float32", max_model_len=512, max_num_seqs=4, enable_prefix_caching=False)
+    no_cache = LLM(
+        model=smollm2_path, dtype="float32", max_model_len=512, max_num_seqs=4, enable_prefix_caching=False
+    )
     without = no_cache.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens == 0 for o in without)
     assert _tokens(with_cache) == _tokens(without)
@@ -74,8 +78,15 @@ def test_preemption_under_tiny_kv_pool(smollm2_path: str, llm: LLM) -> None:
     prompts = [p + " Tell me more." for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    tiny = LLM(model=smollm2_path, dtype="float32", max_model_len=128, max_num_seqs=8, block_size=16,
-               num_gpu_blocks_override=12, admission_kv_limit=False)
+    tiny = LLM(
+        model=smollm2_path,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=8,
+        block_size=16,
+        num_gpu_blocks_override=12,
+        admission_kv_limit=False,
+    )
     got = tiny.generate(prompts, params, use_tqdm=False)
     assert tiny.llm_engine.engine_core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert _tokens(got) == expected
@@ -92,15 +103,21 @@ def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
     # The same seeded request inside a different batch draws the same tokens.
     mixed = _tokens(llm.generate([PROMPTS[5], PROMPTS[1]], [GREEDY, params], use_tqdm=False))
     assert mixed[1] == first[1]
-    other = _tokens(llm.generate(PROMPTS[:3], SamplingParams(temperature=0.9, seed=99, max_tokens=24,
-                                                              ignore_eos=True), use_tqdm=False))
+    other = _tokens(
+        llm.generate(
+            PROMPTS[:3],
+            SamplingParams(temperature=0.9, seed=99, max_tokens=24, ignore_eos=True),
+            use_tqdm=False,
+        )
+    )
     assert other != first
 
 
 def test_n_greater_than_one_shares_prompt_blocks(llm: LLM) -> None:
     prompt = "Name a fruit that is " * 8  # several full blocks
-    out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 8 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "children with different seeds all agreed"
@@ -112,38 +129,48 @@ def test_stop_strings_spanning_tokens(llm: LLM) -> None:
     base = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0].text
     # A stop string that straddles a token boundary: take characters across the 3rd/4th words.
     stop = base[3:9]
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=32, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=32, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.text == base[: base.index(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=32, stop=[stop],
-                                                                    include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        "The capital of France is",
+        SamplingParams(temperature=0, max_tokens=32, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == base[: base.index(stop) + len(stop)]
 
 
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     base = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop_id = base[5]
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_id]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "The capital of France is",
+        SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == base[: base.index(stop_id) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     eos = llm.get_tokenizer().eos_token_id
-    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=64),
-                    use_tqdm=False)[0].outputs[0]
+    chat = llm.chat(
+        [{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False
+    )[0].outputs[0]
     assert chat.token_ids[-1] == eos and chat.finish_reason == "stop" and chat.stop_reason is None
-    longer = llm.chat([{"role": "user", "content": "Say hi."}],
-                      SamplingParams(temperature=0, max_tokens=64, min_tokens=len(chat.token_ids) + 5),
-                      use_tqdm=False)[0].outputs[0]
+    longer = llm.chat(
+        [{"role": "user", "content": "Say hi."}],
+        SamplingParams(temperature=0, max_tokens=64, min_tokens=len(chat.token_ids) + 5),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(longer.token_ids) >= len(chat.token_ids) + 5
     assert eos not in longer.token_ids[: len(chat.token_ids) + 4]
 
 
 def test_logprobs_and_prompt_logprobs_match_oracle(llm: LLM, hf_model) -> None:
     prompt = "Water boils at a temperature of"
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2), use_tqdm=False
+    )[0]
     ids = out.prompt_token_ids + out.outputs[0].token_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
@@ -169,8 +196,10 @@ def test_logprobs_and_prompt_logprobs_match_oracle(llm: LLM, hf_model) -> None:
 def test_chat_uses_the_template(llm: LLM) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of Italy?"}]
     tokenizer = llm.get_tokenizer()
-    expected_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                                    add_special_tokens=False)
+    expected_ids = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
     outs = llm.chat([messages, messages], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert outs[0].prompt_token_ids == expected_ids
     assert "Rome" in outs[0].outputs[0].text

@@ -43,12 +43,16 @@ def test_llama3_rope_scaling_is_applied(tiny_model_dir) -> None:
     scaled = _oracle_logits(tiny_model_dir("llama3"), token_ids)
     model = _axon_model(tiny_model_dir("llama3"))
     assert model.arch.rope_scaling["rope_type"] == "llama3"
-    torch.testing.assert_close(teacher_forced_logits(model, token_ids, block_size=4), scaled, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        teacher_forced_logits(model, token_ids, block_size=4), scaled, atol=1e-4, rtol=1e-4
+    )
 
 
 def test_smollm2_logits_match_transformers(smollm2_path: str) -> None:
     tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_path)
-    token_ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. Paged attention stores keys in blocks.")
+    token_ids = tokenizer.encode(
+        "The quick brown fox jumps over the lazy dog. Paged attention stores keys in blocks."
+    )
     expected = _oracle_logits(smollm2_path, token_ids)
     model = _axon_model(smollm2_path, block_size=16)
     got = teacher_forced_logits(model, token_ids, block_size=16, segment=7)

@@ -55,8 +55,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
-        self.register_buffer("cos_cached", torch.empty(max_position, head_dim, dtype=torch.float32), persistent=False)
-        self.register_buffer("sin_cached", torch.empty(max_position, head_dim, dtype=torch.float32), persistent=False)
+        self.register_buffer(
+            "cos_cached", torch.empty(max_position, head_dim, dtype=torch.float32), persistent=False
+        )
+        self.register_buffer(
+            "sin_cached", torch.empty(max_position, head_dim, dtype=torch.float32), persistent=False
+        )
         if self.cos_cached.device.type != "meta":
             self.reset_buffers()
 
@@ -70,7 +74,9 @@ class RotaryEmbedding(nn.Module):
         self.cos_cached = emb.cos().to(device)
         self.sin_cached = emb.sin().to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, H, D]; k [T, KVH, D]
         cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)

@@ -16,7 +16,9 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend) -> None:
         super().__init__()
-        assert num_heads % num_kv_heads == 0, f"{num_heads} heads are not a multiple of {num_kv_heads} KV heads"
+        assert num_heads % num_kv_heads == 0, (
+            f"{num_heads} heads are not a multiple of {num_kv_heads} KV heads"
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.backend = backend

@@ -34,10 +34,14 @@ class ReferenceAttentionBackend:
         for i, n in enumerate(q_lens):
             if n > 1:
                 seq_len = metadata.seq_lens[i]
-                k, v = _gather_kv(k_cache, v_cache, metadata.block_table[i : i + 1], seq_len, metadata.block_size)
+                k, v = _gather_kv(
+                    k_cache, v_cache, metadata.block_table[i : i + 1], seq_len, metadata.block_size
+                )
                 q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, S] causal
-                out[qsl[i] : qsl[i + 1]] = _attend(q[None, qsl[i] : qsl[i + 1]], k, v, mask[None], scale)[0].to(q.dtype)
+                out[qsl[i] : qsl[i + 1]] = _attend(q[None, qsl[i] : qsl[i + 1]], k, v, mask[None], scale)[
+                    0
+                ].to(q.dtype)
         return out
 
 
