@@ -15,6 +15,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float = 0.0
 
     @property
     def finished(self) -> bool:

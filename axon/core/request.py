@@ -87,6 +87,7 @@ class Request:
         # Prompt tokens found in the prefix cache when first scheduled (vLLM's num_cached_tokens).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.first_scheduled_time = 0.0  # wall clock of the first admission (queue time ends)
         # Chained hashes of this request's full blocks, extended as tokens arrive.
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher

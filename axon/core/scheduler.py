@@ -13,6 +13,7 @@ No phases: a prompt longer than the budget is simply prefilled over several step
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -148,8 +149,9 @@ class Scheduler:
             req.set_status(RequestStatus.RUNNING)
             self.running.append(req)
             req.num_computed_tokens = num_hit_tokens
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission (not a resumption)
                 req.num_cached_tokens = num_hit_tokens
+                req.first_scheduled_time = time.time()
             new_reqs.append(
                 NewRequestData(
                     req_id=req.req_id,
@@ -199,6 +201,7 @@ class Scheduler:
                     finish_reason=req.get_finish_reason(),
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    first_scheduled_time=req.first_scheduled_time,
                 )
             )
             if req.is_finished():

@@ -13,7 +13,7 @@ from axon.config import AxonConfig
 from axon.core.kv_cache_utils import cdiv, make_block_hasher
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
-from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from axon.executor.uniproc import UniProcExecutor
 
 logger = logging.getLogger(__name__)
@@ -68,9 +68,12 @@ class EngineCore:
             )
             raise
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        stats = self.scheduler.make_stats()
+        stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
 
 
 def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

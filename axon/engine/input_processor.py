@@ -48,6 +48,24 @@ class InputProcessor:
             raise ValueError("the prompt is empty")
         return list(self.tokenizer.encode(text))
 
+    def process_n(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[EngineCoreRequest]:
+        """One core request per sample of ``params.n``, all validated before any is returned.
+
+        Children get ids ``{index}_{request_id}`` and, when seeded, seeds ``seed + index``.
+        """
+        if params.n == 1:
+            return [self.process(request_id, prompt_token_ids, params)]
+        children = []
+        for index in range(params.n):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + index
+            children.append(self.process(f"{index}_{request_id}", prompt_token_ids, child))
+        return children
+
     def process(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> EngineCoreRequest:

@@ -39,24 +39,14 @@ class LLMEngine:
         """Validate and enqueue one request (n children when params.n > 1). Raises ValueError."""
         request_id = request_id if request_id is not None else str(next(self._counter))
         text, prompt_token_ids = self.input_processor.tokenize(prompt)
-        children = []
-        for index in range(params.n):
-            child_params = params
-            if params.n > 1:
-                child_params = params.clone()
-                child_params.n = 1
-                if params.seed is not None:
-                    child_params.seed = params.seed + index
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            # Validation happens for every child before anything is enqueued.
-            children.append(
-                (child_id, index, self.input_processor.process(child_id, prompt_token_ids, child_params))
-            )
+        children = self.input_processor.process_n(request_id, prompt_token_ids, params)
         parent = ParentRequest(request_id, text, prompt_token_ids, params.n, output_kind)
-        for child_id, index, core_request in children:
-            self.output_processor.add_request(parent, child_id, index, core_request.sampling_params)
+        for index, core_request in enumerate(children):
+            self.output_processor.add_request(
+                parent, core_request.req_id, index, core_request.sampling_params
+            )
             self.engine_core.add_request(core_request)
-        self._child_ids[request_id] = [c[0] for c in children]
+        self._child_ids[request_id] = [c.req_id for c in children]
         return request_id
 
     def abort_request(self, request_ids: list[str]) -> None:

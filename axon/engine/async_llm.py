@@ -1,0 +1,237 @@
+"""AsyncLLM: the server's engine. The front end (tokenize, detokenize, stream) runs here, in
+the server's event loop; the EngineCore runs in its own process (``core_proc.py``).
+
+``generate()`` yields RequestOutputs as the core produces tokens; leaving the generator early
+(a client that disconnects) aborts the request, so its KV blocks are freed at once. If the
+core process dies, every pending request fails with ``EngineDeadError`` and ``errored`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from axon.config import AxonConfig
+from axon.engine.core_proc import (
+    ABORT,
+    ADD,
+    DEAD,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    decode_outputs,
+    encode,
+    run_engine_core,
+)
+from axon.engine.input_processor import InputProcessor, PromptType
+from axon.engine.output_processor import OutputProcessor, ParentRequest
+from axon.engine.tokenizer import get_tokenizer
+from axon.metrics.stats import IterationStats, RequestTimes, StatLogger
+from axon.outputs import RequestOutput
+from axon.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 600.0
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: AxonConfig,
+        stat_loggers: list[StatLogger] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.config = config
+        assert config.model_config.tokenizer is not None, "resolve_config() sets the tokenizer"
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer, chat_template)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers = stat_loggers or []
+        self.errored = False
+        self.dead_error: str | None = None
+        self.num_blocks = 0
+        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._children: dict[str, list[str]] = {}
+        self._times: dict[str, RequestTimes] = {}
+        self._counter = itertools.count()
+        self._ipc_dir = tempfile.mkdtemp(prefix="axon-ipc-")
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._output_task: asyncio.Task[None] | None = None
+
+    # ---- life cycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the engine-core process and wait until its model is loaded."""
+        input_addr = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
+        output_addr = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
+        self._input.bind(input_addr)
+        self._output.bind(output_addr)
+        ctx = multiprocessing.get_context("spawn")
+        self._process = ctx.Process(
+            target=run_engine_core,
+            args=(self.config, input_addr, output_addr),
+            name="axon-engine-core",
+            daemon=True,
+        )
+        self._process.start()
+        kind, payload = await self._wait_ready()
+        if kind != READY:
+            raise EngineDeadError(f"the engine core failed to start:\n{msgspec.msgpack.decode(payload)}")
+        self.num_blocks = msgspec.msgpack.decode(payload)["num_blocks"]
+        self._output_task = asyncio.create_task(self._output_loop())
+
+    async def _wait_ready(self) -> list[bytes]:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if await self._output.poll(500):
+                return await self._output.recv_multipart()
+            assert self._process is not None
+            if not self._process.is_alive():
+                raise EngineDeadError(
+                    f"the engine core exited with code {self._process.exitcode} during start-up"
+                )
+        raise EngineDeadError(f"the engine core did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+
+    async def shutdown(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            await self._input.send_multipart([SHUTDOWN, b""])
+            await asyncio.to_thread(self._process.join, 5.0)
+            if self._process.is_alive():
+                self._process.kill()
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+
+    def is_alive(self) -> bool:
+        return not self.errored and self._process is not None and self._process.is_alive()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def num_pending_requests(self) -> int:
+        return len(self._queues)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate (ValueError before anything is queued), then stream this request's outputs."""
+        if self.errored:
+            raise EngineDeadError(self.dead_error or "the engine core is not running")
+        request_id = request_id or f"req-{next(self._counter)}"
+        text, prompt_token_ids = self.input_processor.tokenize(prompt)
+        children = self.input_processor.process_n(request_id, prompt_token_ids, params)
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        parent = ParentRequest(request_id, text, prompt_token_ids, params.n, output_kind)
+        self._queues[request_id] = queue
+        self._children[request_id] = [c.req_id for c in children]
+        for index, child in enumerate(children):
+            self.output_processor.add_request(parent, child.req_id, index, child.sampling_params)
+            self._times[child.req_id] = RequestTimes(
+                child.arrival_time, len(prompt_token_ids), child.sampling_params.max_tokens, params.n
+            )
+            await self._input.send_multipart(encode(ADD, child))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self._children.pop(request_id, [])
+        if not child_ids:
+            return
+        self.output_processor.abort_requests(child_ids)
+        for child_id in child_ids:
+            self._times.pop(child_id, None)
+        if not self.errored:
+            await self._input.send_multipart(encode(ABORT, child_ids))
+
+    # ---- outputs from the core ------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                kind, payload = await self._output.recv_multipart()
+                if kind == DEAD:
+                    self._die(msgspec.msgpack.decode(payload))
+                    return
+                if kind == OUTPUTS:
+                    await self._process_outputs(decode_outputs(payload))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must fail requests, not hang them
+            logger.exception("output loop failed")
+            self._die(f"output processing failed: {e!r}")
+
+    async def _process_outputs(self, core_outputs) -> None:
+        iteration = IterationStats()
+        for out in core_outputs.outputs:
+            times = self._times.get(out.req_id)
+            if times is not None:
+                iteration.update_from_output(out, times)
+        request_outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
+        if stopped:
+            await self._input.send_multipart(encode(ABORT, stopped))
+        for out in core_outputs.outputs:
+            times = self._times.get(out.req_id)
+            child_done = out.finished or out.req_id in stopped
+            if times is not None and child_done:
+                reason = "stop" if out.req_id in stopped else out.finish_reason
+                iteration.finish(times, reason or "abort")
+                del self._times[out.req_id]
+        for request_output in request_outputs:
+            queue = self._queues.get(request_output.request_id)
+            if queue is not None:
+                queue.put_nowait(request_output)
+            if request_output.finished:
+                self._children.pop(request_output.request_id, None)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(core_outputs.scheduler_stats, iteration)
+
+    def _die(self, error: str) -> None:
+        self.errored = True
+        self.dead_error = error
+        logger.error("engine core died: %s", error)
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(error))
+
+    async def watch_process(self) -> None:
+        """Turn a silent death of the core process (killed, crashed) into ``errored``."""
+        while not self.errored:
+            await asyncio.sleep(0.5)
+            if self._process is not None and not self._process.is_alive():
+                # Give a DEAD message already on the wire a moment to arrive first.
+                await asyncio.sleep(0.2)
+                if not self.errored:
+                    self._die(f"the engine core process exited with code {self._process.exitcode}")
