@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from axon.config import AxonConfig
+from axon.core.outputs import SchedulerStats
 from axon.engine.core_proc import (
     ABORT,
     ADD,
@@ -66,6 +67,7 @@ class AsyncLLM:
         self.errored = False
         self.dead_error: str | None = None
         self.num_blocks = 0
+        self.scheduler_stats: SchedulerStats | None = None  # the core's latest report
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._children: dict[str, list[str]] = {}
         self._times: dict[str, RequestTimes] = {}
@@ -196,6 +198,8 @@ class AsyncLLM:
 
     async def _process_outputs(self, core_outputs) -> None:
         iteration = IterationStats()
+        if core_outputs.scheduler_stats is not None:
+            self.scheduler_stats = core_outputs.scheduler_stats
         for out in core_outputs.outputs:
             times = self._times.get(out.req_id)
             if times is not None:
