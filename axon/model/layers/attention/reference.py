@@ -82,10 +82,15 @@ def _attend(
 ) -> torch.Tensor:  # [B, Q, H, D] float32
     b, nq, h, d = q.shape
     kvh = k.shape[2]
-    qg = q.float().reshape(b, nq, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [B, KVH, G, Q, D]
-    kt = k.float().permute(0, 2, 3, 1)[:, :, None]  # [B, KVH, 1, D, S]
-    vt = v.float().permute(0, 2, 1, 3)[:, :, None]  # [B, KVH, 1, S, D]
-    scores = torch.matmul(qg, kt) * scale  # [B, KVH, G, Q, S]
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vt)  # [B, KVH, G, Q, D]
-    return out.permute(0, 3, 1, 2, 4).reshape(b, nq, h, d)
+    g = h // kvh
+    # The G query heads of one KV head are folded into the query rows: one plain matmul per KV head.
+    qg = (
+        q.float().reshape(b, nq, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * nq, d)
+    )  # [B, KVH, G*Q, D]
+    kt = k.float().permute(0, 2, 3, 1)  # [B, KVH, D, S]
+    vt = v.float().permute(0, 2, 1, 3)  # [B, KVH, S, D]
+    scores = torch.matmul(qg, kt) * scale  # [B, KVH, G*Q, S]
+    full_mask = mask[:, None, None].expand(b, 1, g, nq, mask.shape[-1]).reshape(b, 1, g * nq, -1)
+    scores = scores.masked_fill(~full_mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vt)  # [B, KVH, G*Q, D]
+    return out.reshape(b, kvh, g, nq, d).permute(0, 3, 1, 2, 4).reshape(b, nq, h, d)
