@@ -1,7 +1,7 @@
 """The pure-torch reference attention backend: the oracle for every fast kernel.
 
 Keys and values are gathered from the paged cache through each request's block table and
-attended in float32. Requests with one query (decodes) are attended together, padded to the
+attended with torch's scaled_dot_product_attention (float32 accumulation). Requests with one query (decodes) are attended together, padded to the
 longest context; requests with several queries (prefill segments) one at a time, causally.
 Grouped-query attention is a reshape: query heads [KVH * G] attend their KV head.
 """
@@ -9,6 +9,7 @@ Grouped-query attention is a reshape: query heads [KVH * G] attend their KV head
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from axon.model.layers.attention.backend import AttentionMetadata
 
@@ -79,18 +80,14 @@ def _attend(
     v: torch.Tensor,  # [B, S, KVH, D]
     mask: torch.Tensor,  # [B, Q, S] bool, True = may attend
     scale: float,
-) -> torch.Tensor:  # [B, Q, H, D] float32
-    b, nq, h, d = q.shape
-    kvh = k.shape[2]
-    g = h // kvh
-    # The G query heads of one KV head are folded into the query rows: one plain matmul per KV head.
-    qg = (
-        q.float().reshape(b, nq, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * nq, d)
-    )  # [B, KVH, G*Q, D]
-    kt = k.float().permute(0, 2, 3, 1)  # [B, KVH, D, S]
-    vt = v.float().permute(0, 2, 1, 3)  # [B, KVH, S, D]
-    scores = torch.matmul(qg, kt) * scale  # [B, KVH, G*Q, S]
-    full_mask = mask[:, None, None].expand(b, 1, g, nq, mask.shape[-1]).reshape(b, 1, g * nq, -1)
-    scores = scores.masked_fill(~full_mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vt)  # [B, KVH, G*Q, D]
-    return out.reshape(b, kvh, g, nq, d).permute(0, 3, 1, 2, 4).reshape(b, nq, h, d)
+) -> torch.Tensor:  # [B, Q, H, D]
+    # torch's SDPA accumulates in float32 for reduced-precision inputs; GQA is native.
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, H, Q, D]
+    return out.transpose(1, 2)
