@@ -1,0 +1,81 @@
+"""The config tree: routing of flat vLLM names, validation, immutability, CLI flags."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from axon.config import OPTION_OWNERS, build_config
+from axon.entrypoints.cli import build_parser, engine_kwargs
+
+
+def test_flat_options_land_in_their_sub_config() -> None:
+    config = build_config(
+        max_model_len=1024,
+        max_num_seqs=8,
+        block_size=32,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=100,
+        seed=3,
+        enforce_eager=True,
+        additional_config='{"neuron_config": {"num_seqs_buckets": [1, 8]}}',
+    )
+    assert config.model_config.max_model_len == 1024 and config.model_config.seed == 3
+    assert config.scheduler_config.max_num_seqs == 8
+    assert config.cache_config.block_size == 32 and not config.cache_config.enable_prefix_caching
+    assert config.cache_config.num_gpu_blocks_override == 100
+    assert config.compilation_config.enforce_eager
+    assert config.additional_config == {"neuron_config": {"num_seqs_buckets": [1, 8]}}
+
+
+def test_config_is_frozen() -> None:
+    config = build_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cache_config.block_size = 8  # type: ignore[misc]
+
+
+def test_every_option_has_one_owner_and_a_flag() -> None:
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "generate",
+            "hi",
+            "--max-num-batched-tokens",
+            "512",
+            "--no-enable-prefix-caching",
+            "--kv-cache-space-gib",
+            "0.5",
+        ]
+    )
+    kwargs = engine_kwargs(args)
+    assert kwargs == {
+        "max_num_batched_tokens": 512,
+        "enable_prefix_caching": False,
+        "kv_cache_space_gib": 0.5,
+    }
+    assert build_config(**kwargs).scheduler_config.max_num_batched_tokens == 512
+    assert {"model", "dtype", "max_model_len", "max_num_seqs", "block_size", "seed"} <= set(OPTION_OWNERS)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"load_format": "pickle"}, "load_format"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"speculative_config": "{not json"}, "speculative_config"),
+    ],
+)
+def test_invalid_values_are_named(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        build_config(**kwargs)
+
+
+def test_cpu_kv_space_from_vllm_variable(monkeypatch: pytest.MonkeyPatch, smollm2_path: str) -> None:
+    from axon.engine.arg_utils import create_engine_config
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert create_engine_config(model=smollm2_path).cache_config.kv_cache_space_gib == 2.0
+    assert create_engine_config(model=smollm2_path, kv_cache_space_gib=1).cache_config.kv_cache_space_gib == 1
