@@ -1,4 +1,5 @@
-"""The ``axon`` command: ``axon generate PROMPT`` and ``axon chat``, with vLLM's flag names.
+"""The ``axon`` command: ``axon serve [MODEL]``, ``axon generate PROMPT``, ``axon chat`` and
+``axon bench serve``, with vLLM's flag names.
 
 Engine flags are generated from the config tree (``axon/config.py``), so every option has one
 name everywhere: ``--max-model-len`` on the command line is ``max_model_len`` in ``LLM(...)``.
@@ -27,10 +28,12 @@ def _flag_type(sub: str, f: dataclasses.Field[Any]) -> Any:
     return hint
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """One flag per config option, except ``model`` and the names in ``skip`` (which the
+    caller defines itself, as ``serve`` does for ``--served-model-name``)."""
     group = parser.add_argument_group("engine options (vLLM's names)")
     for sub, f in option_fields():
-        if f.name == "model":
+        if f.name == "model" or f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(sub, f)
@@ -94,7 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_args(chat)
     add_engine_args(chat)
+    _add_serve_parser(sub)
+    from axon.entrypoints.bench_serve import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub: Any) -> None:
+    from axon.entrypoints.openai.cli_args import add_server_args
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (vLLM's `vllm serve`)")
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, help="HF folder or .gguf file (default: bundled SmolLM2)"
+    )
+    serve.add_argument("--model", default=None, help="the same as MODEL")
+    add_server_args(serve)
+    add_engine_args(serve, skip=frozenset({"served_model_name"}))
 
 
 def _make_engine(args: argparse.Namespace):
@@ -160,9 +179,33 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from axon.engine.arg_utils import create_engine_config
+    from axon.entrypoints.openai.api_server import run_server
+    from axon.entrypoints.openai.cli_args import load_chat_template, validate_server_args
+
+    validate_server_args(args)
+    load_chat_template(args.chat_template)  # a bad path fails here, before the model loads
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    names = args.served_model_name  # several names (nargs="+"); the config holds the first
+    kwargs = {k: v for k, v in engine_kwargs(args).items() if k != "served_model_name"}
+    if names:
+        kwargs["served_model_name"] = names[0]
+    config = create_engine_config(model=args.model_tag or args.model, **kwargs)
+    assert config.model_config.served_model_name is not None
+    return run_server(args, config, names or [config.model_config.served_model_name])
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from axon.entrypoints.bench_serve import run_bench
+
+    return run_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "chat": cmd_chat}
+    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
     try:
         return commands[args.command](args)
     except ValueError as e:

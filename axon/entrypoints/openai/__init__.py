@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (``axon serve``), laid out as vLLM's ``entrypoints/openai``."""

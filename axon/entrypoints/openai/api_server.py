@@ -1,0 +1,364 @@
+"""The FastAPI app, its lifespan and routes, and ``run_server`` (``axon serve``).
+
+Life cycle:
+
+    bind the socket -> uvicorn serves at once; /health answers 503 until the engine is ready
+    engine ready    -> "axon serving MODEL at http://HOST:PORT"; /health 200
+    SIGTERM/Ctrl-C  -> stop accepting; in-flight requests are aborted (finish_reason "abort");
+                       the engine core is shut down; exit 0
+    engine dies     -> /health 503 and new requests 503; in-flight ones fail with the engine's
+                       error; after a short grace the server exits 1
+    engine fails to start -> the error is logged; exit 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import axon
+from axon.config import AxonConfig
+from axon.engine.async_llm import AsyncLLM, EngineDeadError
+from axon.entrypoints.openai import cli_args
+from axon.entrypoints.openai.errors import OpenAIError, internal_error, unavailable
+from axon.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
+from axon.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from axon.entrypoints.openai.serving_chat import OpenAIServingChat
+from axon.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from axon.entrypoints.openai.serving_engine import Admission, ClientGone, ServingContext
+from axon.entrypoints.openai.serving_models import OpenAIServingModels
+from axon.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from axon.metrics.loggers import LoggingStatLogger
+from axon.metrics.prometheus import PrometheusStatLogger, render_metrics
+from axon.metrics.stats import StatLogger
+
+logger = logging.getLogger("axon.entrypoints.openai.api_server")
+
+STAT_LOG_INTERVAL_S = 5.0
+DEAD_ENGINE_GRACE_S = 2.0  # /health answers 503 this long before the server exits
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+
+
+@dataclass
+class Servings:
+    chat: OpenAIServingChat
+    completion: OpenAIServingCompletion
+    tokenization: OpenAIServingTokenization
+    models: OpenAIServingModels
+    ctx: ServingContext
+
+
+class ServerState:
+    """Everything the app holds between requests; the engine starts in the background."""
+
+    def __init__(self, args: argparse.Namespace, config: AxonConfig, served_model_names: list[str]) -> None:
+        self.args = args
+        self.config = config
+        self.served_model_names = served_model_names
+        self.chat_template = cli_args.load_chat_template(args.chat_template)
+        assert config.model_config.max_model_len is not None
+        self.prometheus = PrometheusStatLogger(
+            served_model_names[0],
+            max_model_len=config.model_config.max_model_len,
+            cache_config_info=dataclasses.asdict(config.cache_config),
+        )
+        self.stat_loggers: list[StatLogger] = [self.prometheus]
+        if not config.observability_config.disable_log_stats:
+            self.stat_loggers.append(LoggingStatLogger())
+        self.shutdown_event = asyncio.Event()
+        self.engine: AsyncLLM | None = None
+        self.servings: Servings | None = None
+        self.server: uvicorn.Server | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code = 0
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    # ---- life cycle ------------------------------------------------------------------------
+    async def startup(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.tasks.append(asyncio.create_task(self._start_engine()))
+
+    async def _start_engine(self) -> None:
+        try:
+            self.engine = AsyncLLM(self.config, self.stat_loggers, self.chat_template)
+            await self.engine.start()
+        except Exception as e:  # noqa: BLE001 (any start-up failure ends the server, with its reason)
+            logger.error("the engine failed to start: %s", e)
+            self.exit(1)
+            return
+        self.servings = self._make_servings(self.engine)
+        host, port = self.args.host, self.args.port
+        logger.info("axon serving %s at http://%s:%d", self.served_model_names[0], host, port)
+        self.tasks.append(asyncio.create_task(self._supervise(self.engine)))
+        self.tasks.append(asyncio.create_task(self._log_stats()))
+
+    def _make_servings(self, engine: AsyncLLM) -> Servings:
+        m, s = self.config.model_config, self.config.scheduler_config
+        assert m.max_model_len is not None and m.model_path is not None
+        ctx = ServingContext(
+            engine=engine,
+            served_model_names=self.served_model_names,
+            model_path=m.model_path,
+            max_model_len=m.max_model_len,
+            admission=Admission(s.max_num_seqs, self.args.max_waiting_requests),
+            shutdown_event=self.shutdown_event,
+            log_requests=not self.args.disable_log_requests,
+            max_log_len=self.args.max_log_len,
+        )
+        return Servings(
+            OpenAIServingChat(ctx),
+            OpenAIServingCompletion(ctx),
+            OpenAIServingTokenization(ctx),
+            OpenAIServingModels(ctx),
+            ctx,
+        )
+
+    async def _supervise(self, engine: AsyncLLM) -> None:
+        await engine.watch_process()
+        logger.error(
+            "the engine core is dead (%s); /health answers 503 and the server exits in %.0f s",
+            engine.dead_error,
+            DEAD_ENGINE_GRACE_S,
+        )
+        await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+        self.exit(1)
+
+    async def _log_stats(self) -> None:
+        while True:
+            await asyncio.sleep(STAT_LOG_INTERVAL_S)
+            for stat_logger in self.stat_loggers:
+                stat_logger.log()
+
+    def exit(self, code: int) -> None:
+        self.exit_code = max(self.exit_code, code)
+        self.begin_shutdown()
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting and abort in-flight requests (thread- and signal-safe)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.shutdown_event.set)
+
+    async def shutdown(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    # ---- state for routes ------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return (
+            self.servings is not None
+            and self.engine is not None
+            and self.engine.is_alive()
+            and not self.shutdown_event.is_set()
+        )
+
+    def require_servings(self) -> Servings:
+        if self.servings is None:
+            raise unavailable("The model is still loading; retry shortly.", code="model_not_ready")
+        return self.servings
+
+
+class AxonServer(uvicorn.Server):
+    """uvicorn, but a signal also aborts in-flight requests, and is not re-raised on exit
+    (uvicorn re-raises it, which would end the process with the signal, not exit code 0)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            logger.info(
+                "received %s: aborting in-flight requests and shutting down", signal.Signals(sig).name
+            )
+        super().handle_exit(sig, frame)
+        self.state.begin_shutdown()
+
+
+# ---- the app ---------------------------------------------------------------------------------
+def build_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.startup()
+        yield
+        await state.shutdown()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.axon = state
+    _add_routes(app, state)
+    _add_error_handlers(app)
+    key = cli_args.api_key(args)
+    if key is not None:
+        app.add_middleware(AuthMiddleware, api_key=key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_size)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+    )
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
+    async def health() -> Response:
+        if state.healthy:
+            return Response(status_code=HTTPStatus.OK)
+        if state.engine is not None and state.engine.errored:
+            return unavailable(f"The engine is dead: {state.engine.dead_error}", "engine_dead").response()
+        if state.shutdown_event.is_set():
+            return unavailable("The server is shutting down.", "shutting_down").response()
+        return unavailable("The model is still loading.", "model_not_ready").response()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": axon.__version__})
+
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        servings = state.servings
+        return JSONResponse({"server_load": servings.ctx.admission.num_inflight_seqs if servings else 0})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(render_metrics(state.prometheus.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(state.require_servings().models.show_available_models())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await state.require_servings().chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return await state.require_servings().completion.create_completion(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return _json(state.require_servings().tokenization.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return _json(state.require_servings().tokenization.detokenize(request))
+
+
+def _json(model: Any) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, e: OpenAIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> Response:
+        return _validation_error(e).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        message = str(e.detail)
+        if e.status_code in (HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED):
+            message = f"Invalid URL ({request.method} {request.url.path}): {e.detail}"
+        code = HTTPStatus(e.status_code).phrase.lower().replace(" ", "_")
+        return OpenAIError(message, e.status_code, code=code).response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> Response:
+        error = internal_error(f"The engine died while serving this request: {e}")
+        error.code = "engine_dead"
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> Response:
+        logger.exception("unexpected error while serving a request")
+        return internal_error(f"Internal server error: {e!r}").response()
+
+
+def _validation_error(e: RequestValidationError) -> OpenAIError:
+    """FastAPI's 422 as OpenAI's 400, naming the fields."""
+    problems, param = [], None
+    for err in e.errors():
+        if err.get("type") == "json_invalid":
+            return OpenAIError(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
+        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+        where = ".".join(loc) or "body"
+        param = param or (where if loc else None)
+        problems.append(f"{where}: {err.get('msg', 'invalid')}")
+    return OpenAIError("Invalid request: " + "; ".join(problems), HTTPStatus.BAD_REQUEST, param=param)
+
+
+# ---- entry point -----------------------------------------------------------------------------
+def run_server(args: argparse.Namespace, config: AxonConfig, served_model_names: list[str]) -> int:
+    """Serve until a signal (exit 0) or an engine failure (exit 1)."""
+    logging.basicConfig(
+        level=os.environ.get("AXON_LOG_LEVEL", "INFO"),
+        format="%(levelname)s %(asctime)s [api-server] %(message)s",
+    )
+    state = ServerState(args, config, served_model_names)
+    app = build_app(state, args)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        timeout_keep_alive=5,
+    )
+    server = AxonServer(uv_config, state)
+    state.server = server
+    sock = uv_config.bind_socket()  # bound before the engine loads; /health says 503 until ready
+    asyncio.run(server.serve(sockets=[sock]))
+    return state.exit_code

@@ -1,0 +1,93 @@
+"""The server's own flags (vLLM's names); the engine flags come from the config tree."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+DEFAULT_MAX_REQUEST_BODY_SIZE = 32 * 1024 * 1024
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON list such as '[\"*\"]', got {text!r}: {e}"
+        ) from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server options (vLLM's names)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1 only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names the API answers to; the first is reported in responses (default: the model)",
+    )
+    g.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or VLLM_API_KEY)"
+    )
+    g.add_argument(
+        "--chat-template", default=None, help="a chat template: a file path or the template itself"
+    )
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument(
+        "--max-log-len", type=int, default=None, help="truncate logged prompts to this many chars/ids"
+    )
+    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 (Retry-After) once this many requests wait beyond what the engine runs",
+    )
+    g.add_argument(
+        "--max-request-body-size",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+        help="bytes; larger request bodies get 413 (default: 32 MiB)",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def validate_server_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be non-negative, got {args.max_waiting_requests}")
+    if args.max_request_body_size < 1:
+        raise ValueError(f"--max-request-body-size must be positive, got {args.max_request_body_size}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be non-negative, got {args.max_log_len}")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A file path or an inline template (vLLM's rule: text with braces or newlines is inline)."""
+    if value is None:
+        return None
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a readable file nor a template")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get("VLLM_API_KEY") or None

@@ -1,0 +1,61 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
+
+Handlers raise ``OpenAIError`` (or one of its named constructors); the app's exception handlers
+turn it, FastAPI's validation errors and Starlette's HTTP errors into the same JSON shape.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = HTTPStatus.BAD_REQUEST,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = int(status)
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(message, HTTPStatus.BAD_REQUEST, param=param, code=code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model", code="model_not_found"
+    )
+
+
+def unavailable(message: str, code: str, retry_after_s: int = 1) -> OpenAIError:
+    return OpenAIError(
+        message,
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        type="server_error",
+        code=code,
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def internal_error(message: str) -> OpenAIError:
+    return OpenAIError(message, HTTPStatus.INTERNAL_SERVER_ERROR, type="server_error", code="internal_error")

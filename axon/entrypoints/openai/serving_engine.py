@@ -1,0 +1,382 @@
+"""What every endpoint family shares: model names, admission (the bounded waiting queue),
+prompt checks with vLLM's messages, SamplingParams from a request, request logging, and
+``OutputStream``, which runs engine generators so that a disconnect or a shutdown aborts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from axon.engine.async_llm import AsyncLLM
+from axon.entrypoints.openai.errors import bad_request, model_not_found, unavailable
+from axon.entrypoints.openai.protocol import ChatMessage, SamplingFields, UsageInfo
+from axon.outputs import CompletionOutput, Logprob, RequestOutput
+from axon.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("axon.entrypoints.openai")
+
+
+class Admission:
+    """Bounds the requests waiting beyond what the engine runs (``--max-waiting-requests``).
+
+    Counts sequences (n per request) from admission until their response ends; the engine runs
+    at most ``max_num_seqs`` of them, so the rest are waiting.
+    """
+
+    def __init__(self, max_num_seqs: int, max_waiting_requests: int | None) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting_requests = max_waiting_requests
+        self.num_inflight_seqs = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return max(self.num_inflight_seqs - self.max_num_seqs, 0)
+
+    def admit(self, num_seqs: int) -> Ticket:
+        limit = self.max_waiting_requests
+        if limit is not None and self.num_inflight_seqs + num_seqs - self.max_num_seqs > limit:
+            raise unavailable(
+                f"The server is overloaded: {self.num_waiting} requests are waiting "
+                f"(--max-waiting-requests {limit}). Retry later.",
+                code="server_overloaded",
+            )
+        self.num_inflight_seqs += num_seqs
+        return Ticket(self, num_seqs)
+
+
+@dataclass
+class Ticket:
+    admission: Admission
+    num_seqs: int
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.admission.num_inflight_seqs -= self.num_seqs
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLM
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+    admission: Admission
+    shutdown_event: asyncio.Event
+    log_requests: bool = True
+    max_log_len: int | None = None
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was complete; the request was aborted."""
+
+
+class ServerShutdown(Exception):
+    """The server is shutting down; the request was aborted."""
+
+
+class OpenAIServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.tokenizer = ctx.engine.get_tokenizer()
+        self.max_model_len = ctx.max_model_len
+
+    # ---- checks --------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.ctx.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.ctx.served_model_names:
+            raise model_not_found(model)
+
+    def check_accepting(self) -> None:
+        if self.ctx.shutdown_event.is_set():
+            raise unavailable("The server is shutting down.", code="shutting_down")
+        if self.engine.errored:
+            raise unavailable(f"The engine is dead: {self.engine.dead_error}", code="engine_dead")
+
+    def check_unsupported(self, request: SamplingFields) -> None:
+        if request.use_beam_search:
+            raise bad_request("beam search is not supported", param="use_beam_search")
+        if request.best_of is not None and request.best_of != (request.n or 1):
+            raise bad_request("best_of is not supported (it must equal n)", param="best_of")
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(request, name) is not None:
+                raise bad_request(f"{name} is not supported yet (no structured outputs)", param=name)
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options can only be set when stream is true", param="stream_options")
+        if request.model_extra:
+            logger.warning("ignored unknown request fields: %s", sorted(request.model_extra))
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "messages") -> None:
+        """vLLM's context-length messages (400, code ``context_length_exceeded``)."""
+        limit = self.max_model_len
+        if max_tokens is None and num_prompt_tokens >= limit:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens} tokens in the {what}, Please reduce the length of the {what}."
+            )
+        elif max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {what}, "
+                f"{max_tokens} in the completion). Please reduce the length of the {what} or completion."
+            )
+        else:
+            return
+        raise bad_request(message, param=what, code="context_length_exceeded")
+
+    # ---- prompts and parameters ------------------------------------------------------------
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> tuple[str, list[int]]:
+        """Chat messages -> (prompt text, token ids) through the chat template."""
+        if chat_template is None and self.tokenizer.chat_template is None:
+            raise bad_request("this model has no chat template; pass chat_template", param="chat_template")
+        if continue_final_message and add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true")
+        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja2 errors (e.g. raise_exception in the template) are the user's
+            raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from e
+        return text, list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def sampling_params(
+        self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=request.n if request.n is not None else 1,
+                presence_penalty=_or(request.presence_penalty, 0.0),
+                frequency_penalty=_or(request.frequency_penalty, 0.0),
+                repetition_penalty=_or(request.repetition_penalty, 1.0),
+                temperature=_or(request.temperature, 1.0),
+                top_p=_or(request.top_p, 1.0),
+                top_k=_or(request.top_k, 0),
+                min_p=_or(request.min_p, 0.0),
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=request.prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                logit_bias=_logit_bias(request.logit_bias),
+            )
+        except ValueError as e:  # SamplingParams' messages begin with the field's name
+            name = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), param=name if name in type(request).model_fields else None) from e
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Every check the engine makes, before anything is queued or a stream begins."""
+        try:
+            self.engine.input_processor.process_n("validate", prompt_token_ids, params)
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+
+    def log_request(
+        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams
+    ) -> None:
+        if not self.ctx.log_requests:
+            return
+        n = self.ctx.max_log_len
+        logger.info(
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+            request_id,
+            prompt if n is None or prompt is None else prompt[:n],
+            params,
+            ids if n is None else ids[:n],
+        )
+
+    # ---- running requests --------------------------------------------------------------------
+    def open_stream(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        raw_request: Request | None,
+    ) -> OutputStream:
+        generators = [
+            self.engine.generate(
+                {"prompt_token_ids": ids},
+                params,
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                RequestOutputKind.DELTA,
+            )
+            for i, ids in enumerate(prompts)
+        ]
+        return OutputStream(generators, self.ctx.shutdown_event, raw_request)
+
+
+_DONE = object()
+_SHUTDOWN = object()
+_DISCONNECTED = object()
+
+
+class OutputStream:
+    """Merges engine generators into one stream of (prompt index, RequestOutput).
+
+    Each generator runs in its own task, so aborting never depends on the cancellation scope of
+    the HTTP response: ``close()`` cancels the tasks, and a cancelled ``AsyncLLM.generate``
+    aborts its request in the engine. The stream ends with ``ServerShutdown`` when the server
+    stops, and with ``ClientGone`` when ``raw_request`` (given for non-streaming responses,
+    whose disconnects nothing else notices) disconnects.
+    """
+
+    def __init__(
+        self,
+        generators: list[AsyncIterator[RequestOutput]],
+        shutdown_event: asyncio.Event,
+        raw_request: Request | None,
+    ) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.num_open = len(generators)
+        self.tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(generators)]
+        self.tasks.append(asyncio.create_task(self._on(shutdown_event.wait(), _SHUTDOWN)))
+        if raw_request is not None:
+            self.tasks.append(asyncio.create_task(self._on(_wait_disconnect(raw_request), _DISCONNECTED)))
+
+    async def _pump(self, index: int, generator: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in generator:
+                self.queue.put_nowait((index, output))
+        except Exception as e:  # noqa: BLE001 (delivered to the handler, which answers with it)
+            self.queue.put_nowait(e)
+        self.queue.put_nowait(_DONE)
+
+    async def _on(self, event: Any, marker: object) -> None:
+        await event
+        self.queue.put_nowait(marker)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            while self.num_open:
+                item = await self.queue.get()
+                if item is _DONE:
+                    self.num_open -= 1
+                elif item is _SHUTDOWN:
+                    raise ServerShutdown
+                elif item is _DISCONNECTED:
+                    raise ClientGone
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+async def _wait_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"messages[{index}]: content part type {part.type!r} is not supported "
+                    "(only {'type': 'text', 'text': ...})",
+                    param="messages",
+                )
+            texts.append(part.text)
+        content = "\n".join(texts)
+    out: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    if logit_bias is None:
+        return None
+    out = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        out[token_id] = min(max(float(value), -100.0), 100.0)
+    return out
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+@dataclass
+class ChoiceState:
+    """One choice's output so far, gathered from DELTA outputs."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_chars_sent: int = 0  # text already streamed (the legacy text_offset continues from it)
+
+    def add(self, output: CompletionOutput) -> None:
+        self.texts.append(output.text)
+        self.token_ids += output.token_ids
+        if output.logprobs is not None:
+            self.logprobs += output.logprobs
+        self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def usage(num_prompt_tokens: int, states: list[ChoiceState]) -> UsageInfo:
+    num_completion_tokens = sum(len(s.token_ids) for s in states)
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+    )
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def clamp_logprob(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -inf

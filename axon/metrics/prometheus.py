@@ -1,0 +1,237 @@
+"""Prometheus metrics with vLLM's names, labels and buckets, so vLLM's dashboards work on axon.
+
+Every metric carries the labels ``model_name`` and ``engine`` (``"0"``: axon runs one engine
+core per server), as vLLM V1's ``PrometheusStatLogger`` does. Each logger owns its own
+``CollectorRegistry`` (never prometheus_client's global one), so several engines or tests in one
+process do not collide; the server exposes it with ``render_metrics(logger.registry)``.
+
+Counter semantics of the inputs (see ``SchedulerStats``): ``prefix_cache_queries`` and
+``prefix_cache_hits`` are deltas since the core's previous report, ``num_preemptions`` is the
+core's running total, so only its increase is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
+
+from axon.core.outputs import SchedulerStats
+from axon.metrics.stats import FinishedRequestStats, IterationStats
+
+# The Content-Type of ``render_metrics``'s body, for ``GET /metrics``.
+CONTENT_TYPE_LATEST = prometheus_client.CONTENT_TYPE_LATEST
+
+TTFT_BUCKETS_S = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS_S = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+]  # fmt: skip
+REQUEST_LATENCY_BUCKETS_S = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+# vLLM builds these from its CUDA-graph capture sizes; this is its default list.
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to and including ``max_value`` (vLLM's token-count buckets)."""
+    if max_value < 1:
+        raise ValueError(f"max_value must be >= 1, got {max_value}")
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+def render_metrics(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus' text exposition format (serve with ``CONTENT_TYPE_LATEST``)."""
+    return prometheus_client.generate_latest(registry)
+
+
+class PrometheusStatLogger:
+    """A ``StatLogger`` that keeps vLLM's Prometheus metrics in ``self.registry``."""
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int = 8192,
+        engine_index: int = 0,
+        cache_config_info: Mapping[str, object] | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labelnames = ["model_name", "engine"]
+        self.labelvalues = [model_name, str(engine_index)]
+        self._last_num_preemptions = 0
+        self._make_gauges(cache_config_info)
+        self._make_counters()
+        self._make_histograms(max_model_len)
+
+    # ---- the extension point -----------------------------------------------------------------
+    def register(self, collector: Collector) -> None:
+        """Add an axon-specific collector to this logger's registry (exposed on the same page).
+
+        Build metrics with ``registry=None`` and ``labelnames=self.labelnames`` and label them
+        with ``*self.labelvalues`` to match the rest of the page.
+        """
+        self.registry.register(collector)
+
+    # ---- StatLogger ------------------------------------------------------------------------
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        if scheduler_stats is not None:
+            self._record_scheduler(scheduler_stats)
+        if iteration_stats is not None:
+            self._record_iteration(iteration_stats)
+
+    def log(self) -> None:
+        """Prometheus is scraped, not pushed: nothing to do."""
+
+    # ---- internals -----------------------------------------------------------------------
+    def _record_scheduler(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        # A total below the last one means a new core started counting from zero.
+        increase = stats.num_preemptions - self._last_num_preemptions
+        if increase < 0:
+            increase = stats.num_preemptions
+        self.num_preemptions.inc(increase)
+        self._last_num_preemptions = stats.num_preemptions
+
+    def _record_iteration(self, it: IterationStats) -> None:
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        num_tokens = it.num_prompt_tokens + it.num_generation_tokens
+        if num_tokens:
+            self.iteration_tokens.observe(num_tokens)
+        for ttft in it.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in it.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+            self.time_per_output_token.observe(itl)
+        for finished in it.finished_requests:
+            self._record_finished(finished)
+
+    def _record_finished(self, req: FinishedRequestStats) -> None:
+        self._success(req.finish_reason).inc()
+        self.e2e_request_latency.observe(req.e2e_latency)
+        self.request_queue_time.observe(req.queue_time)
+        self.request_prompt_tokens.observe(req.num_prompt_tokens)
+        self.request_generation_tokens.observe(req.num_generation_tokens)
+        self.request_params_n.observe(req.n)
+        if req.max_tokens is not None:
+            self.request_params_max_tokens.observe(req.max_tokens)
+
+    def _success(self, finish_reason: str) -> Counter:
+        return self.request_success.labels(*self.labelvalues, finish_reason)
+
+    def _labeled(self, metric):
+        return metric.labels(*self.labelvalues)
+
+    def _make_gauges(self, cache_config_info: Mapping[str, object] | None) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return self._labeled(Gauge(name, doc, self.labelnames, registry=self.registry))
+
+        self.num_requests_running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.num_requests_waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_cache_usage_perc = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        if cache_config_info:
+            names = sorted(cache_config_info)
+            info = Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                names,
+                registry=self.registry,
+            )
+            info.labels(*(str(cache_config_info[n]) for n in names)).set(1)
+
+    def _make_counters(self) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return self._labeled(Counter(name, doc, self.labelnames, registry=self.registry))
+
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.num_preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*self.labelnames, "finished_reason"],
+            registry=self.registry,
+        )
+        for reason in FINISH_REASONS:  # present (at 0) from the first scrape, as in vLLM
+            self._success(reason)
+
+    def _make_histograms(self, max_model_len: int) -> None:
+        def histogram(name: str, doc: str, buckets: list) -> Histogram:
+            return self._labeled(
+                Histogram(name, doc, self.labelnames, buckets=buckets, registry=self.registry)
+            )
+
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS_S
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS_S
+        )
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (the same values as inter_token_latency).",
+            ITL_BUCKETS_S,
+        )
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
+        self.request_params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS
+        )
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )

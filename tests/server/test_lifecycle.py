@@ -1,0 +1,116 @@
+"""Start-up, load shedding, SIGTERM and engine death, each on its own server process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+from conftest import ServerProcess
+
+LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+def test_health_is_never_200_before_ready_and_queue_is_bounded() -> None:
+    server = ServerProcess("--max-num-seqs", "2", "--max-waiting-requests", "1")
+    try:
+        codes = _health_until_200(server)
+        assert f"axon serving SmolLM2-135M-Instruct at http://127.0.0.1:{server.port}" in server.log()
+        assert set(codes) <= {"refused", 503}
+        body = {**LONG_STREAM, "max_tokens": 48}
+        with ThreadPoolExecutor(6) as pool:
+            responses = list(
+                pool.map(
+                    lambda _: httpx.post(server.url + "/v1/completions", json=body, timeout=60), range(6)
+                )
+            )
+        ok = [r for r in responses if r.status_code == 200]
+        shed = [r for r in responses if r.status_code == 503]
+        assert len(ok) == 3 and len(shed) == 3  # 2 running + 1 waiting
+        for r in shed:
+            assert r.headers["retry-after"] and r.json()["error"]["code"] == "server_overloaded"
+        assert all(r.json()["usage"]["completion_tokens"] == 48 for r in ok)
+        after = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
+        assert after.status_code == 200
+    finally:
+        server.stop()
+
+
+def _health_until_200(server: ServerProcess) -> list[int | str]:
+    codes: list[int | str] = []
+    while True:
+        try:
+            code = httpx.get(server.url + "/health", timeout=2).status_code
+        except httpx.TransportError:
+            code = "refused"
+        if code == 200:
+            return codes
+        assert server.proc.poll() is None, server.log()
+        codes.append(code)
+        time.sleep(0.1)
+
+
+def test_sigterm_aborts_in_flight_and_exits_0() -> None:
+    server = ServerProcess().wait_ready()
+    non_streaming: dict = {}
+
+    def post() -> None:
+        r = httpx.post(server.url + "/v1/completions", json=LONG_STREAM, timeout=30)
+        non_streaming.update(r.json())
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    events = []
+    with httpx.stream("POST", server.url + "/v1/completions", json={**LONG_STREAM, "stream": True}) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i == 6:
+                server.proc.send_signal(signal.SIGTERM)
+                sent = time.monotonic()
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+    thread.join(timeout=10)
+    rc = server.proc.wait(timeout=10)
+    elapsed = time.monotonic() - sent
+    server.stop()
+    assert rc == 0 and elapsed < 8, server.log()
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    assert non_streaming["choices"][0]["finish_reason"] == "abort"
+    assert 0 < non_streaming["usage"]["completion_tokens"] < 400
+
+
+def test_engine_death_turns_health_503_and_exits_non_zero() -> None:
+    server = ServerProcess().wait_ready()
+    try:
+        core = _engine_core_child(server.proc.pid)
+        with httpx.stream("POST", server.url + "/v1/completions", json={**LONG_STREAM, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            core.send_signal(signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"  # the stream says why it ended
+        assert httpx.get(server.url + "/health").status_code == 503
+        rc = server.proc.wait(timeout=10)
+        assert rc != 0
+        assert "the engine core process exited with code -9" in server.log()
+    finally:
+        server.stop()
+
+
+def _engine_core_child(pid: int) -> psutil.Process:
+    children = psutil.Process(pid).children(recursive=True)
+    cores = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    assert len(cores) == 1, [c.cmdline() for c in children]
+    return cores[0]
+
+
+def test_bad_engine_flag_exits_2_without_serving() -> None:
+    cmd = [sys.executable, "-m", "axon.entrypoints.cli", "serve", "--max-model-len", "999999"]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "max_model_len 999999 exceeds" in r.stderr
