@@ -1,7 +1,7 @@
 """Every bad request gets its status and an OpenAI-shaped error, and the server keeps serving.
 
 This module's server runs with an API key, two served model names, an inline chat template
-and ``--max-log-len``; the main module's server runs without a key (auth off).
+``--enable-log-requests`` and ``--max-log-len``; the main module's server runs without a key (auth off).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def server() -> Iterator[ServerProcess]:
         *NAMES,
         "--chat-template",
         TEMPLATE,
+        "--enable-log-requests",
         "--max-log-len",
         "12",
     ]

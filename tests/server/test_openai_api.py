@@ -30,6 +30,13 @@ def test_models_health_version(server: ServerProcess, client: openai.OpenAI) -> 
     assert httpx.get(server.url + "/version").json()["version"]
 
 
+def test_startup_line_and_no_request_log_by_default(server: ServerProcess, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="Quiet please", max_tokens=1)
+    log = server.log()
+    assert "axon serving" in log and server.url in log
+    assert "Received request" not in log  # vLLM logs requests only with --enable-log-requests
+
+
 def test_chat_usage_equals_token_counts(client: openai.OpenAI, tokenizer) -> None:
     r = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3

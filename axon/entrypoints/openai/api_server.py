@@ -57,7 +57,7 @@ from axon.metrics.stats import StatLogger
 
 logger = logging.getLogger("axon.entrypoints.openai.api_server")
 
-STAT_LOG_INTERVAL_S = 5.0
+STAT_LOG_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
 DEAD_ENGINE_GRACE_S = 2.0  # /health answers 503 this long before the server exits
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
 
@@ -125,7 +125,7 @@ class ServerState:
             max_model_len=m.max_model_len,
             admission=Admission(s.max_num_seqs, self.args.max_waiting_requests),
             shutdown_event=self.shutdown_event,
-            log_requests=not self.args.disable_log_requests,
+            log_requests=self.args.enable_log_requests,
             max_log_len=self.args.max_log_len,
         )
         return Servings(

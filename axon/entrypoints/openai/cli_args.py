@@ -44,7 +44,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-log-len", type=int, default=None, help="truncate logged prompts to this many chars/ids"
     )
-    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument(
+        "--enable-log-requests", action="store_true", help="log each request's prompt and parameters"
+    )
+    g.add_argument(
+        "--disable-log-requests", action="store_true", help="accepted for older vLLM scripts; the default"
+    )
     g.add_argument(
         "--max-waiting-requests",
         type=int,

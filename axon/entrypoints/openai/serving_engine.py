@@ -70,7 +70,7 @@ class ServingContext:
     max_model_len: int
     admission: Admission
     shutdown_event: asyncio.Event
-    log_requests: bool = True
+    log_requests: bool = False
     max_log_len: int | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
