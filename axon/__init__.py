@@ -3,7 +3,15 @@
 from axon.entrypoints.llm import LLM
 from axon.outputs import CompletionOutput, RequestOutput
 from axon.sampling_params import SamplingParams
+from axon.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]

@@ -74,7 +74,11 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
+    # {"backend": "auto"|"xgrammar", "disable_any_whitespace": bool, ...}: see
+    # axon/structured_output/options.py, which checks it.
     structured_outputs_config: dict[str, Any] | None = None
+    # Thinking models: <think>...</think> goes to reasoning_content; grammars apply after it.
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,17 @@ def validate_config(config: AxonConfig) -> None:
         "must be one of auto, cpu, cuda",
     )
     need(m.max_logprobs >= 0, "max_logprobs", m.max_logprobs, "must be non-negative")
+    _validate_structured_outputs(config.structured_outputs_config)
+
+
+def _validate_structured_outputs(so: StructuredOutputsConfig) -> None:
+    # Imported here: both modules are pure Python, and config.py stays free of imports from below.
+    from axon.reasoning import get_reasoning_parser
+    from axon.structured_output.options import parse_structured_outputs_config
+
+    parse_structured_outputs_config(so.structured_outputs_config)
+    if so.reasoning_parser is not None:
+        get_reasoning_parser(so.reasoning_parser)
 
 
 def default_cache_root() -> str:

@@ -9,6 +9,10 @@ import copy
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from axon.structured_output.params import StructuredOutputsParams
+
+__all__ = ["RequestOutputKind", "SamplingParams", "SamplingType", "StructuredOutputsParams"]
+
 # Temperatures below this are treated as greedy (vLLM uses the same cut-off).
 _GREEDY_EPS = 1e-5
 
@@ -47,6 +51,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
+    # JSON schema, regex, choice, grammar or structural tag the output must match.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the input processor, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -104,6 +110,9 @@ class SamplingParams:
             raise bad("stop", "must not contain empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def sampling_type(self) -> SamplingType:

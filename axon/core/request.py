@@ -4,6 +4,7 @@ Progress is one counter: ``num_computed_tokens`` (tokens whose KV is in the cach
 with ``num_tokens`` (prompt + generated). Prefill, segmented prefill, prefix-cache hits and
 resumption after preemption all follow from it.
 
+    WAITING_FOR_FSM ──grammar compiled──> WAITING   (structured outputs only)
     WAITING ──schedule──> RUNNING ──stop/length/abort──> FINISHED_*
        ^                     │
        └────PREEMPTED <──────┘   (blocks freed, num_computed_tokens = 0, recomputed later)
@@ -14,12 +15,14 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from typing import Any
 
 from axon.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # structured output: its grammar is compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
@@ -46,6 +49,7 @@ _FINISH_REASONS = {
 
 # Legal moves of the status machine; anything else is a bug.
 _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
+    RequestStatus.WAITING_FOR_FSM: {RequestStatus.WAITING, RequestStatus.FINISHED_ABORTED},
     RequestStatus.WAITING: {
         RequestStatus.RUNNING,
         RequestStatus.FINISHED_ABORTED,
@@ -91,6 +95,8 @@ class Request:
         # Chained hashes of this request's full blocks, extended as tokens arrive.
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
+        # Grammar state (axon.structured_output.manager.StructuredOutputRequest), if constrained.
+        self.structured_output_request: Any = None
         self._update_block_hashes()
 
     @property

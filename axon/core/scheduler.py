@@ -22,7 +22,14 @@ from axon.core.kv_cache_manager import KVCacheManager
 from axon.core.kv_cache_utils import max_concurrency
 from axon.core.outputs import EngineCoreOutput, SchedulerStats
 from axon.core.request import Request, RequestStatus
-from axon.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from axon.core.scheduler_output import (
+    CachedRequestData,
+    GrammarOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from axon.structured_output.manager import StructuredOutputManager, Verdict
 
 
 class Scheduler:
@@ -32,6 +39,7 @@ class Scheduler:
         cache_config: CacheConfig,
         max_model_len: int,
         num_blocks: int,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         assert scheduler_config.max_num_batched_tokens is not None, (
             "resolve_config sets max_num_batched_tokens"
@@ -55,11 +63,18 @@ class Scheduler:
         self.running: list[Request] = []  # oldest first; the newest is preempted first
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.structured_output_manager = structured_output_manager
+        self.waiting_for_grammar: dict[str, Request] = {}  # WAITING_FOR_FSM, arrival order
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         assert request.req_id not in self.requests, f"duplicate request id {request.req_id}"
         self.requests[request.req_id] = request
+        som = self.structured_output_manager
+        if som is not None and som.init_request(request):
+            request.status = RequestStatus.WAITING_FOR_FSM  # its first state: no transition
+            self.waiting_for_grammar[request.req_id] = request
+            return
         self.waiting.append(request)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -71,6 +86,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_FSM:
+                del self.waiting_for_grammar[req_id]
             else:
                 self.waiting.remove(req)
             req.set_status(status)
@@ -79,10 +96,10 @@ class Scheduler:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar)
 
     # ---- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -92,6 +109,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
 
+        self._promote_ready_grammars()
         budget = self._schedule_running(budget, num_scheduled, cached, preempted)
         if not preempted:
             self._admit_waiting(budget, num_scheduled, new_reqs)
@@ -105,6 +123,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            grammar_output=self._grammar_output(num_scheduled),
         )
         self.finished_req_ids = set()
         return out
@@ -187,7 +206,7 @@ class Scheduler:
             for token_id in runner_output.sampled_token_ids[idx]:
                 req.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
-                if self._check_stop(req):
+                if self._check_stop(req) or self._check_grammar(req):
                     break
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and prompt_logprobs is None:
@@ -224,6 +243,43 @@ class Scheduler:
             return True
         return False
 
+    # ---- structured outputs (axon/structured_output/manager.py does the grammar work) ---------
+    def _promote_ready_grammars(self) -> None:
+        """Requests whose grammar has compiled join the holdback queue; the rest keep waiting
+        while others run. With nothing else to run, wait for the first compile."""
+        if not self.waiting_for_grammar:
+            return
+        som = self.structured_output_manager
+        assert som is not None, "only the manager puts requests in waiting_for_grammar"
+        if not (self.waiting or self.running):
+            som.wait_any(list(self.waiting_for_grammar.values()), timeout_s=None)
+        for req_id, req in list(self.waiting_for_grammar.items()):
+            if som.is_ready(req):
+                del self.waiting_for_grammar[req_id]
+                req.set_status(RequestStatus.WAITING)
+                self.waiting.append(req)
+
+    def _grammar_output(self, num_scheduled: dict[str, int]) -> GrammarOutput | None:
+        """Bitmask rows for the constrained requests that sample this step (prefill done)."""
+        if self.structured_output_manager is None:
+            return None
+        sampling = [self.requests[req_id] for req_id in num_scheduled]
+        sampling = [r for r in sampling if r.num_computed_tokens == r.num_tokens]
+        rows = self.structured_output_manager.grammar_output(sampling)
+        return None if rows is None else GrammarOutput(req_ids=rows[0], bitmask=rows[1])
+
+    def _check_grammar(self, req: Request) -> bool:
+        """Advance the request's grammar over its newest token; a completed grammar finishes it
+        with reason "stop", a rejected token (a bug, or a failed compile) aborts it."""
+        if req.structured_output_request is None or self.structured_output_manager is None:
+            return False
+        verdict = self.structured_output_manager.accept(req, req.output_token_ids[-1])
+        if verdict is Verdict.CONTINUE:
+            return False
+        terminated = verdict is Verdict.TERMINATED
+        req.set_status(RequestStatus.FINISHED_STOPPED if terminated else RequestStatus.FINISHED_ABORTED)
+        return True
+
     def _free(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
         self.finished_req_ids.add(req.req_id)
@@ -233,7 +289,7 @@ class Scheduler:
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,

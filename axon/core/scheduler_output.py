@@ -7,6 +7,7 @@ block ids and the step's token count). A request resumed after preemption is sen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from axon.sampling_params import SamplingParams
 
@@ -33,6 +34,19 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarOutput:
+    """This step's structured-output constraint: row i of ``bitmask`` masks request ``req_ids[i]``.
+
+    Only requests that sample this step and are constrained have a row. ``bitmask`` is packed
+    [len(req_ids), ceil(vocab_size / 32)] int32 (a numpy array): bit j of word w allows token
+    32 * w + j.
+    """
+
+    req_ids: list[str]
+    bitmask: Any
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -42,6 +56,7 @@ class SchedulerOutput:
     # Requests that finished or were preempted since the last step: the worker drops their state.
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
+    grammar_output: GrammarOutput | None = None
 
     @property
     def is_empty(self) -> bool:

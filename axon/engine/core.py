@@ -15,6 +15,7 @@ from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from axon.executor.uniproc import UniProcExecutor
+from axon.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,13 @@ class EngineCore:
         _check_kv_fits(num_blocks, config.cache_config.block_size, max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, max_model_len, num_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config,
+            max_model_len,
+            num_blocks,
+            structured_output_manager=StructuredOutputManager.from_config(config),
+        )
         self.block_hasher = make_block_hasher(config.cache_config.block_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from axon.config import ModelConfig
 from axon.engine.messages import EngineCoreRequest
 from axon.sampling_params import SamplingParams
+from axon.structured_output.backend_xgrammar import validate_structured_outputs
 
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
 PromptType = str | dict[str, Any]
@@ -84,6 +85,8 @@ class InputProcessor:
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name} {value} exceeds max_logprobs {self.max_logprobs}")
         params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
         return EngineCoreRequest(
             req_id=req_id,
             prompt_token_ids=prompt_token_ids,

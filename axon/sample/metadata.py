@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from axon.sample.grammar import GrammarBitmask
 from axon.sampling_params import SamplingParams, SamplingType
 
 
@@ -48,6 +49,8 @@ class SamplingMetadata:
     min_tokens: dict[int, set[int]]
 
     vocab_size: int
+    # Structured outputs: packed allowed-token rows for the constrained rows (None: no row is).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_reqs(self) -> int:

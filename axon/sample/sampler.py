@@ -1,6 +1,6 @@
 """The sampler: one step's logits [B, V] to one token per request, in vLLM V1's order.
 
-    raw logprobs (if asked) -> min_tokens mask -> logit_bias -> penalties
+    raw logprobs (if asked) -> grammar bitmask -> min_tokens mask -> logit_bias -> penalties
         -> greedy rows: argmax
         -> random rows: temperature -> min_p -> top_k -> top_p -> exponential race
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from axon.sample.grammar import apply_grammar_bitmask
 from axon.sample.logprobs import LogprobsTensors, gather_logprobs
 from axon.sample.metadata import SamplingMetadata
 
@@ -49,7 +50,10 @@ class Sampler(torch.nn.Module):
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """min_tokens mask, logit_bias and penalties on float32 `logits` [B, V], in place where possible."""
+    """Grammar bitmask, min_tokens mask, logit_bias and penalties on float32 `logits` [B, V],
+    in place where possible."""
+    if metadata.grammar_bitmask is not None:
+        logits = apply_grammar_bitmask(logits, metadata.grammar_bitmask)
     if metadata.min_tokens:
         logits = apply_min_tokens(logits, metadata.min_tokens)
     if metadata.logit_bias is not None:

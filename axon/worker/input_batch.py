@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from axon.core.scheduler_output import NewRequestData, SchedulerOutput
+from axon.core.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
 from axon.sampling_params import SamplingParams, SamplingType
 
 
@@ -46,8 +46,11 @@ class RequestStates:
         self.states: dict[str, CachedRequestState] = {}
         # A preempted request keeps its generator, so seeded sampling resumes where it stopped.
         self.preempted_generators: dict[str, torch.Generator] = {}
+        # This step's structured-output bitmask rows (the sampler lines them up with its rows).
+        self.grammar_output: GrammarOutput | None = None
 
     def update(self, sched: SchedulerOutput) -> None:
+        self.grammar_output = sched.grammar_output
         for req_id in sched.preempted_req_ids:
             state = self.states.pop(req_id, None)
             if state is not None and state.generator is not None:

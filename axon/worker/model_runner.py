@@ -16,6 +16,7 @@ from torch import nn
 from axon.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import AttentionMetadata
+from axon.sample.grammar import GrammarBitmask
 from axon.sample.logprobs import compute_logprobs, to_lists
 from axon.sample.metadata import build_sampling_metadata
 from axon.sample.sampler import Sampler
@@ -124,6 +125,9 @@ class ModelRunner:
             [s.generator for s in states],
             self.vocab_size,
             self.device,
+        )
+        metadata.grammar_bitmask = GrammarBitmask.from_output(
+            self.requests.grammar_output, [s.req_id for s in states], self.device
         )
         out = self.sampler(logits, metadata)
         token_ids = out.sampled_token_ids.tolist()

@@ -63,7 +63,12 @@ BAD_REQUESTS = [
         "messages",
     ),
     (CHAT, {"messages": USER, "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tool_choice",
+    ),
     (CHAT, {"messages": USER, "stream": True, "max_tokens": 0}, 400, "max_tokens"),
     (CHAT, {"messages": USER, "model": "gpt-4"}, 404, "model"),
     (COMPLETIONS, {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),

@@ -127,6 +127,9 @@ class ServerState:
             shutdown_event=self.shutdown_event,
             log_requests=self.args.enable_log_requests,
             max_log_len=self.args.max_log_len,
+            enable_auto_tool_choice=self.args.enable_auto_tool_choice,
+            tool_call_parser=self.args.tool_call_parser,
+            reasoning_parser=self.config.structured_outputs_config.reasoning_parser,
         )
         return Servings(
             OpenAIServingChat(ctx),

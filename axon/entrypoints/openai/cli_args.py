@@ -68,6 +68,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (needs --tool-call-parser)',
+    )
+    g.add_argument(
+        "--tool-call-parser", default=None, help="how tool calls are read from text: hermes, llama3_json"
+    )
 
 
 def validate_server_args(args: argparse.Namespace) -> None:
@@ -79,6 +87,12 @@ def validate_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-body-size must be positive, got {args.max_request_body_size}")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be non-negative, got {args.max_log_len}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
+    if args.tool_call_parser is not None:
+        from axon.entrypoints.openai.tool_parsers import get_tool_parser
+
+        get_tool_parser(args.tool_call_parser)
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -1,7 +1,7 @@
 """Pydantic request and response models with OpenAI's and vLLM's field names.
 
 Requests allow extra fields (as vLLM does): unknown ones are logged and ignored, while known
-but unsupported ones (tools, structured outputs, suffix, ...) are rejected by the handlers.
+but unsupported ones (suffix, beam search, ...) are rejected by the handlers.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     prompt_logprobs: int | None = None
-    # vLLM's structured outputs: accepted by name so that they are refused clearly
+    # vLLM's structured outputs (axon/entrypoints/openai/structured_outputs.py reads them)
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any | None = None
     guided_regex: str | None = None
@@ -80,6 +80,8 @@ class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -90,7 +92,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = "none"
+    tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = True
     # vLLM's chat extras
     echo: bool = False
     add_generation_prompt: bool = True
@@ -118,6 +121,7 @@ class ChatCompletionLogprobs(OpenAIBaseModel):
 class ChatCompletionMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -142,6 +146,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -172,6 +178,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     max_tokens: int | None = 16
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
     add_special_tokens: bool = True
 
 

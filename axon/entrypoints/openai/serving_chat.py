@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from axon.entrypoints.openai.chat_output import ChatOutputParser, ChoiceStreamer
 from axon.entrypoints.openai.errors import OpenAIError, bad_request
 from axon.entrypoints.openai.protocol import (
     ChatCompletionLogprobs,
@@ -34,8 +36,11 @@ from axon.entrypoints.openai.serving_engine import (
     sse,
     usage,
 )
+from axon.entrypoints.openai.tool_choice import ToolPlan, plan_tools
 from axon.outputs import CompletionOutput, Logprob
+from axon.reasoning import ReasoningParser, get_reasoning_parser
 from axon.sampling_params import SamplingParams
+from axon.structured_output.backend_xgrammar import validate_structured_outputs
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -44,12 +49,13 @@ class OpenAIServingChat(OpenAIServing):
         self.check_accepting()
         self.check_unsupported(request)
         _check_chat_unsupported(request)
+        plan = plan_tools(request, self.ctx.enable_auto_tool_choice, self.ctx.tool_call_parser)
         _, prompt_token_ids = self.render_chat(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
-            request.chat_template_kwargs,
+            plan.template_kwargs(request.chat_template_kwargs),
             request.add_special_tokens,
         )
         if request.truncate_prompt_tokens is not None:
@@ -57,6 +63,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_length(len(prompt_token_ids), max_tokens, "messages")
         params = self.sampling_params(request, max_tokens, _num_logprobs(request))
+        _constrain_tool_calls(params, plan)
+        parser = ChatOutputParser(plan, self._reasoning_parser())
         self.validate(prompt_token_ids, params)
         request_id = f"chatcmpl-{request.request_id or random_uuid()}"
         self.log_request(request_id, None, prompt_token_ids, params)
@@ -69,10 +77,10 @@ class OpenAIServingChat(OpenAIServing):
             ticket.release()
             raise
         if request.stream:
-            chunks = self._stream(request, request_id, stream, params, len(prompt_token_ids), ticket)
+            chunks = self._stream(request, request_id, stream, params, len(prompt_token_ids), ticket, parser)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            return await self._full(request, request_id, stream, params, len(prompt_token_ids))
+            return await self._full(request, request_id, stream, params, len(prompt_token_ids), parser)
         finally:
             ticket.release()
 
@@ -83,6 +91,7 @@ class OpenAIServingChat(OpenAIServing):
         stream: OutputStream,
         params: SamplingParams,
         num_prompt_tokens: int,
+        parser: ChatOutputParser,
     ) -> Response:
         states = [ChoiceState() for _ in range(params.n)]
         try:
@@ -92,16 +101,18 @@ class OpenAIServingChat(OpenAIServing):
         except ServerShutdown:
             for state in states:
                 state.finish_reason = state.finish_reason or "abort"
-        choices = [
-            ChatCompletionResponseChoice(
-                index=i,
-                message=ChatCompletionMessage(content=s.text),
-                logprobs=self._logprobs(s.token_ids, s.logprobs, request),
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
+        choices = []
+        for i, s in enumerate(states):
+            message = _message(s.text, parser)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self._logprobs(s.token_ids, s.logprobs, request),
+                    finish_reason=_finish_reason(s.finish_reason, len(message.tool_calls), parser),
+                    stop_reason=s.stop_reason,
+                )
             )
-            for i, s in enumerate(states)
-        ]
         response = ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=usage(num_prompt_tokens, states)
         )
@@ -115,9 +126,11 @@ class OpenAIServingChat(OpenAIServing):
         params: SamplingParams,
         num_prompt_tokens: int,
         ticket: Ticket,
+        parser: ChatOutputParser,
     ) -> AsyncIterator[str]:
         chunk = _ChunkMaker(request_id, self.model_name, request, num_prompt_tokens)
         states = [ChoiceState() for _ in range(params.n)]
+        streamers = [ChoiceStreamer(parser) for _ in range(params.n)]
         try:
             for i in range(params.n):
                 yield chunk(i, DeltaMessage(role="assistant", content=""), states)
@@ -126,7 +139,13 @@ class OpenAIServingChat(OpenAIServing):
                     for c in output.outputs:
                         states[c.index].add(c)
                         logprobs = self._logprobs(c.token_ids, c.logprobs or [], request)
-                        yield chunk(c.index, DeltaMessage(content=c.text), states, logprobs, c)
+                        if parser.is_plain:
+                            yield chunk(c.index, DeltaMessage(content=c.text), states, logprobs, c)
+                            continue
+                        parsed = _parsed_chunk(streamers[c.index], c, parser)
+                        if parsed is not None or logprobs is not None:
+                            delta, finish = parsed or (DeltaMessage(), None)
+                            yield chunk(c.index, delta, states, logprobs, finish)
             except ServerShutdown:
                 for i, state in enumerate(states):
                     if state.finish_reason is None:
@@ -144,6 +163,10 @@ class OpenAIServingChat(OpenAIServing):
             ticket.release()
             stream.close()
         yield SSE_DONE
+
+    def _reasoning_parser(self) -> ReasoningParser | None:
+        name = self.ctx.reasoning_parser
+        return None if name is None else get_reasoning_parser(name)()
 
     def _logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, Logprob]], request: ChatCompletionRequest
@@ -216,13 +239,49 @@ class _ChunkMaker:
         return sse(response.model_dump_json())
 
 
+def _constrain_tool_calls(params: SamplingParams, plan: ToolPlan) -> None:
+    """``required`` and named tool choices: the grammar that makes the call valid JSON."""
+    grammar = plan.grammar()
+    if grammar is None:
+        return
+    if params.structured_outputs is not None:
+        raise bad_request(
+            f"tool_choice {plan.mode!r} cannot be combined with response_format or structured outputs",
+            param="tool_choice",
+        )
+    try:
+        validate_structured_outputs(grammar)
+    except ValueError as e:
+        raise bad_request(
+            f"tools: a function's parameters are not a usable JSON schema: {e}", param="tools"
+        ) from e
+    params.structured_outputs = grammar
+
+
+def _message(text: str, parser: ChatOutputParser) -> ChatCompletionMessage:
+    if parser.is_plain:
+        return ChatCompletionMessage(content=text)
+    return ChatCompletionMessage(**parser.message_fields(text))
+
+
+def _finish_reason(reason: str | None, num_tool_calls: int, parser: ChatOutputParser) -> str | None:
+    if reason == "stop" and num_tool_calls and parser.calls_finish_with_tool_calls:
+        return "tool_calls"
+    return reason
+
+
+def _parsed_chunk(
+    streamer: ChoiceStreamer, c: CompletionOutput, parser: ChatOutputParser
+) -> tuple[DeltaMessage, CompletionOutput | None] | None:
+    """The delta and (on the last output) the finish of one parsed chunk; None: nothing to send yet."""
+    fields = streamer.delta(c.text, c.finish_reason is not None)
+    if c.finish_reason is None:
+        return (DeltaMessage(**fields), None) if fields else None
+    finish = dataclasses.replace(c, finish_reason=_finish_reason(c.finish_reason, streamer.num_calls, parser))
+    return DeltaMessage(**fields), finish
+
+
 def _check_chat_unsupported(request: ChatCompletionRequest) -> None:
-    if request.tools:
-        raise bad_request("tool calling is not supported yet", param="tools")
-    if request.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice needs tools, which are not supported yet", param="tool_choice")
-    if request.response_format is not None and request.response_format.get("type") != "text":
-        raise bad_request("response_format other than text is not supported yet", param="response_format")
     if request.echo:
         raise bad_request("echo is not supported for chat completions", param="echo")
     if request.top_logprobs and not request.logprobs:

@@ -16,6 +16,8 @@ from fastapi import Request
 from axon.engine.async_llm import AsyncLLM
 from axon.entrypoints.openai.errors import bad_request, model_not_found, unavailable
 from axon.entrypoints.openai.protocol import ChatMessage, SamplingFields, UsageInfo
+from axon.entrypoints.openai.structured_outputs import structured_outputs_from_request
+from axon.entrypoints.openai.tool_choice import tool_message_fields
 from axon.outputs import CompletionOutput, Logprob, RequestOutput
 from axon.sampling_params import RequestOutputKind, SamplingParams
 
@@ -73,6 +75,10 @@ class ServingContext:
     log_requests: bool = False
     max_log_len: int | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    # Tool calling and reasoning (vLLM's --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 class ClientGone(Exception):
@@ -110,9 +116,6 @@ class OpenAIServing:
             raise bad_request("beam search is not supported", param="use_beam_search")
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise bad_request("best_of is not supported (it must equal n)", param="best_of")
-        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(request, name) is not None:
-                raise bad_request(f"{name} is not supported yet (no structured outputs)", param=name)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options can only be set when stream is true", param="stream_options")
         if request.model_extra:
@@ -190,6 +193,7 @@ class OpenAIServing:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=_logit_bias(request.logit_bias),
+                structured_outputs=structured_outputs_from_request(request),
             )
         except ValueError as e:  # SamplingParams' messages begin with the field's name
             name = str(e).split(" ", 1)[0]
@@ -319,6 +323,7 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
     if message.name is not None:
         out["name"] = message.name
+    out.update(tool_message_fields(message))
     return out
 
 
