@@ -140,9 +140,10 @@ def _stream(engine, prompt: Any, params) -> str:
 
 
 def _chat_prompt(engine, messages: list[dict[str, str]]) -> dict[str, list[int]]:
-    tokenizer = engine.get_tokenizer()
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    from axon.engine.tokenizer import render_chat
+
+    _, token_ids = render_chat(engine.get_tokenizer(), messages)
+    return {"prompt_token_ids": token_ids}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

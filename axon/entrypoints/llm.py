@@ -10,6 +10,7 @@ from tqdm import tqdm
 from axon.engine.arg_utils import create_engine_config
 from axon.engine.input_processor import PromptType
 from axon.engine.llm_engine import LLMEngine
+from axon.engine.tokenizer import render_chat
 from axon.outputs import RequestOutput
 from axon.sampling_params import SamplingParams
 
@@ -65,17 +66,14 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        tokenizer = self.get_tokenizer()
-        if chat_template is None and tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template; pass chat_template=...")
-        text = tokenizer.apply_chat_template(
+        _, token_ids = render_chat(
+            self.get_tokenizer(),
             conversation,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
+            chat_template,
+            add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
         )
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return token_ids
 
     @staticmethod
     def _params_per_prompt(

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 
 from axon.engine.async_llm import AsyncLLM
+from axon.engine.tokenizer import render_chat
 from axon.entrypoints.openai.errors import bad_request, model_not_found, unavailable
 from axon.entrypoints.openai.protocol import ChatMessage, SamplingFields, UsageInfo
 from axon.entrypoints.openai.structured_outputs import structured_outputs_from_request
@@ -150,23 +151,19 @@ class OpenAIServing:
         add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
         """Chat messages -> (prompt text, token ids) through the chat template."""
-        if chat_template is None and self.tokenizer.chat_template is None:
-            raise bad_request("this model has no chat template; pass chat_template", param="chat_template")
-        if continue_final_message and add_generation_prompt:
-            raise bad_request("continue_final_message and add_generation_prompt cannot both be true")
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
         try:
-            text = self.tokenizer.apply_chat_template(
+            return render_chat(
+                self.tokenizer,
                 conversation,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **(chat_template_kwargs or {}),
+                chat_template,
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
+                add_special_tokens,
             )
-        except Exception as e:  # jinja2 errors (e.g. raise_exception in the template) are the user's
-            raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from e
-        return text, list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from e
 
     def sampling_params(
         self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
