@@ -25,6 +25,15 @@ class ReasoningParser:
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of the output ``text`` so far."""
+        body = text.lstrip()
+        if body.startswith(self.start_marker):
+            return self._split_thinking(body[len(self.start_marker) :], final)
+        if not final and self.start_marker.startswith(body):
+            return "", ""  # maybe the opening marker, not decided yet
+        return self._split_unopened(text, final)
+
+    def _split_unopened(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of an output that does not open with the start marker."""
         raise NotImplementedError
 
     def _split_thinking(self, text: str, final: bool) -> tuple[str, str]:
@@ -40,22 +49,12 @@ class ReasoningParser:
 class DeepSeekR1ReasoningParser(ReasoningParser):
     """Reasoning from the first token (the template may already have opened ``<think>``)."""
 
-    def split(self, text: str, final: bool) -> tuple[str, str]:
-        body = text.lstrip()
-        if body.startswith(self.start_marker):
-            return self._split_thinking(body[len(self.start_marker) :], final)
-        if not final and self.start_marker.startswith(body):
-            return "", ""  # maybe the opening marker, not decided yet
+    def _split_unopened(self, text: str, final: bool) -> tuple[str, str]:
         return self._split_thinking(text, final)
 
 
 class Qwen3ReasoningParser(ReasoningParser):
     """Reasoning only when the output opens with ``<think>``; otherwise all of it is the answer."""
 
-    def split(self, text: str, final: bool) -> tuple[str, str]:
-        body = text.lstrip()
-        if body.startswith(self.start_marker):
-            return self._split_thinking(body[len(self.start_marker) :], final)
-        if not final and self.start_marker.startswith(body):
-            return "", ""
+    def _split_unopened(self, text: str, final: bool) -> tuple[str, str]:
         return "", text
