@@ -1,7 +1,8 @@
 """axon: an LLM inference engine and OpenAI-compatible server with vLLM's surface."""
 
 from axon.entrypoints.llm import LLM
-from axon.outputs import CompletionOutput, RequestOutput
+from axon.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from axon.pooling_params import PoolingParams
 from axon.sampling_params import SamplingParams
 from axon.structured_output.params import StructuredOutputsParams
 
@@ -10,6 +11,9 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

@@ -27,6 +27,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     max_logprobs: int = 20
     cache_root: str | None = None  # None: $AXON_CACHE_ROOT or ~/.cache/axon
+    runner: str = "auto"  # auto | generate | pooling; auto: pooling for encoder architectures
     # Resolved by resolve_config(), never set by users:
     model_path: str | None = None  # the HF folder actually loaded (a GGUF file is converted once)
     hf_config: dict[str, Any] | None = field(default=None, repr=False)
@@ -187,6 +188,12 @@ def validate_config(config: AxonConfig) -> None:
         "load_format",
         m.load_format,
         "must be one of auto, safetensors, gguf, dummy",
+    )
+    need(
+        m.runner in ("auto", "generate", "pooling"),
+        "runner",
+        m.runner,
+        "must be one of auto, generate, pooling",
     )
     need(
         m.max_model_len is None or m.max_model_len >= 1,

@@ -8,7 +8,8 @@ from typing import Any
 from axon.config import AxonConfig, build_config, default_cache_root, replace
 from axon.model.loader import default_model_path, gguf_to_hf_folder, load_hf_config
 from axon.model.loader.default_model import DEFAULT_MODEL_NAME
-from axon.model.registry import resolve_model_class
+from axon.model.pooler import read_pooler_config
+from axon.model.registry import is_pooling_model, resolve_model_class
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -23,9 +24,14 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     cache_root = m.cache_root or default_cache_root()
     model_path = _resolve_model_path(m.model, m.load_format, cache_root)
     hf = load_hf_config(model_path)
-    resolve_model_class(hf.get("architectures"))  # an unsupported architecture fails here, early
+    # An unsupported architecture fails here, early.
+    runner = _resolve_runner(m.runner, resolve_model_class(hf.get("architectures")), hf)
     model_max = int(hf.get("max_position_embeddings") or 2048)
-    max_model_len = m.max_model_len or model_max
+    default_len = model_max
+    if runner == "pooling":
+        # sentence-transformers' max_seq_length: the length the embeddings were trained for.
+        default_len = min(model_max, read_pooler_config(model_path).max_seq_length or model_max)
+    max_model_len = m.max_model_len or default_len
     if max_model_len > model_max:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's context length {model_max} "
@@ -36,6 +42,7 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
         model_path=model_path,
         hf_config=hf,
         max_model_len=max_model_len,
+        runner=runner,
         cache_root=cache_root,
         tokenizer=m.tokenizer or model_path,
         served_model_name=m.served_model_name or m.model or DEFAULT_MODEL_NAME,
@@ -50,6 +57,18 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     if c.kv_cache_space_gib is None and env_space and float(env_space) > 0:
         c = replace(c, kv_cache_space_gib=float(env_space))
     return replace(config, model_config=model_config, scheduler_config=scheduler_config, cache_config=c)
+
+
+def _resolve_runner(runner: str, model_class: type, hf: dict[str, Any]) -> str:
+    pooling = is_pooling_model(model_class)
+    if runner == "auto":
+        return "pooling" if pooling else "generate"
+    if (runner == "pooling") != pooling:
+        kind = "an embedding (pooling)" if pooling else "a generative"
+        raise ValueError(
+            f"runner {runner!r} does not fit architecture {hf.get('architectures')!r}, which is {kind} model"
+        )
+    return runner
 
 
 def _resolve_model_path(model: str | None, load_format: str, cache_root: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,21 +11,47 @@ from tqdm import tqdm
 from axon.engine.arg_utils import create_engine_config
 from axon.engine.input_processor import PromptType
 from axon.engine.llm_engine import LLMEngine
+from axon.engine.pooling_engine import PoolingEngine
 from axon.engine.tokenizer import render_chat
-from axon.outputs import RequestOutput
+from axon.outputs import EmbeddingRequestOutput, RequestOutput
+from axon.pooling_params import PoolingParams
 from axon.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
-    """``LLM(model=None, **vllm_options)``; no model means the bundled SmolLM2-135M-Instruct."""
+    """``LLM(model=None, **vllm_options)``; no model means the bundled SmolLM2-135M-Instruct.
+
+    An embedding model (``runner="pooling"``, chosen by default for encoder architectures such as
+    ``BertModel``) serves ``embed``; a generative one serves ``generate`` and ``chat``.
+    """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(create_engine_config(model=model, **kwargs))
+        config = create_engine_config(model=model, **kwargs)
+        self.runner_type = config.model_config.runner
+        self.llm_engine: Any = PoolingEngine(config) if self.runner_type == "pooling" else LLMEngine(config)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType] | Sequence[int] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: text, {"prompt": ...}, {"prompt_token_ids": [...]}, a list of
+        token ids, or a list of any of these."""
+        del use_tqdm  # accepted for vLLM's signature; the batches run without a progress bar
+        if self.runner_type != "pooling":
+            raise ValueError("embed() needs an embedding model (runner='pooling'); this LLM generates")
+        prompt_list = _as_prompt_list(prompts)
+        params = _params_per_prompt(pooling_params, len(prompt_list), PoolingParams)
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self.llm_engine.embed(prompt_list, params)
 
     def generate(
         self,
@@ -37,6 +64,12 @@ class LLM:
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params, use_tqdm)
+
+    def _require_generate(self) -> None:
+        if self.runner_type != "generate":
+            raise ValueError(
+                "this LLM is an embedding model (runner='pooling'): use embed(), not generate/chat"
+            )
 
     def chat(
         self,
@@ -93,6 +126,7 @@ class LLM:
     def _run(
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
+        self._require_generate()
         engine = self.llm_engine
         # Validate every prompt before enqueuing any, so a bad one changes nothing.
         ids = []
@@ -110,3 +144,35 @@ class LLM:
                         outputs[out.request_id] = out
                         bar.update(1)
         return [outputs[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    """Normalize ``embed``'s inputs: a bare token-id list is one prompt, a list of them several."""
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(  # noqa: TRY004 (a bad prompt is the user's ValueError, as in generate)
+            f"prompts must be a string, a prompt dict, a list of token ids or a list of prompts; "
+            f"got {type(prompts).__name__}"
+        )
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given (an empty list)")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [{"prompt_token_ids": prompts}]
+    return [
+        {"prompt_token_ids": list(p)} if isinstance(p, list | tuple) else p  # type: ignore[misc]
+        for p in prompts
+    ]
+
+
+def _params_per_prompt(params: Any, num_prompts: int, kind: type) -> list[Any]:
+    if params is None:
+        return [kind()] * num_prompts
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    if len(params) != num_prompts:
+        raise ValueError(
+            f"got {len(params)} {kind.__name__} for {num_prompts} prompts; pass one, or one per prompt"
+        )
+    return list(params)

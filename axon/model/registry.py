@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from axon.model.models.bert import BertModel
 from axon.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "BertModel": BertModel,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -25,3 +27,8 @@ def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
     raise ValueError(
         f"unsupported architecture {architectures!r}; supported: {', '.join(supported_architectures())}"
     )
+
+
+def is_pooling_model(model_class: type[nn.Module]) -> bool:
+    """Encoders that produce embeddings (``runner="pooling"``) rather than next-token logits."""
+    return bool(getattr(model_class, "is_pooling_model", False))

@@ -80,7 +80,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [10**9]}, 400, None),
     (COMPLETIONS, {"prompt": "Hi", "min_tokens": 30, "max_tokens": 10}, 400, "min_tokens"),
     (COMPLETIONS, {"prompt": "Hi", "model": "nope", "stream": True}, 404, "model"),
-    ("/v1/embeddings", {"input": "Hi"}, 404, None),
+    ("/v1/embeddings", {"input": "Hi"}, 400, None),  # a generative model: needs --runner pooling
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
 ]
 

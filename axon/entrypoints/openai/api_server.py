@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import axon
 from axon.config import AxonConfig
 from axon.engine.async_llm import AsyncLLM, EngineDeadError
+from axon.engine.async_pooling import AsyncPoolingLLM
 from axon.entrypoints.openai import cli_args
 from axon.entrypoints.openai.errors import OpenAIError, internal_error, unavailable
 from axon.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
@@ -44,10 +45,12 @@ from axon.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from axon.entrypoints.openai.serving_chat import OpenAIServingChat
 from axon.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from axon.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from axon.entrypoints.openai.serving_engine import Admission, ClientGone, ServingContext
 from axon.entrypoints.openai.serving_models import OpenAIServingModels
 from axon.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -68,6 +71,7 @@ class Servings:
     completion: OpenAIServingCompletion
     tokenization: OpenAIServingTokenization
     models: OpenAIServingModels
+    embedding: OpenAIServingEmbedding
     ctx: ServingContext
 
 
@@ -89,7 +93,7 @@ class ServerState:
         if not config.observability_config.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger())
         self.shutdown_event = asyncio.Event()
-        self.engine: AsyncLLM | None = None
+        self.engine: AsyncLLM | AsyncPoolingLLM | None = None
         self.servings: Servings | None = None
         self.server: uvicorn.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -103,7 +107,9 @@ class ServerState:
 
     async def _start_engine(self) -> None:
         try:
-            self.engine = AsyncLLM(self.config, self.stat_loggers, self.chat_template)
+            # An embedding model runs in this process; a generative one in an engine-core process.
+            engine_class = AsyncPoolingLLM if self.config.model_config.runner == "pooling" else AsyncLLM
+            self.engine = engine_class(self.config, self.stat_loggers, self.chat_template)
             await self.engine.start()
         except Exception as e:  # noqa: BLE001 (any start-up failure ends the server, with its reason)
             logger.error("the engine failed to start: %s", e)
@@ -115,11 +121,11 @@ class ServerState:
         self.tasks.append(asyncio.create_task(self._supervise(self.engine)))
         self.tasks.append(asyncio.create_task(self._log_stats()))
 
-    def _make_servings(self, engine: AsyncLLM) -> Servings:
+    def _make_servings(self, engine: AsyncLLM | AsyncPoolingLLM) -> Servings:
         m, s = self.config.model_config, self.config.scheduler_config
         assert m.max_model_len is not None and m.model_path is not None
         ctx = ServingContext(
-            engine=engine,
+            engine=engine,  # type: ignore[arg-type]
             served_model_names=self.served_model_names,
             model_path=m.model_path,
             max_model_len=m.max_model_len,
@@ -136,10 +142,11 @@ class ServerState:
             OpenAIServingCompletion(ctx),
             OpenAIServingTokenization(ctx),
             OpenAIServingModels(ctx),
+            OpenAIServingEmbedding(ctx),
             ctx,
         )
 
-    async def _supervise(self, engine: AsyncLLM) -> None:
+    async def _supervise(self, engine: AsyncLLM | AsyncPoolingLLM) -> None:
         await engine.watch_process()
         logger.error(
             "the engine core is dead (%s); /health answers 503 and the server exits in %.0f s",
@@ -182,9 +189,18 @@ class ServerState:
             and not self.shutdown_event.is_set()
         )
 
-    def require_servings(self) -> Servings:
+    def require_servings(self, runner: str | None = None) -> Servings:
+        """The servings, once the engine is ready; ``runner``: the endpoint's kind of model."""
         if self.servings is None:
             raise unavailable("The model is still loading; retry shortly.", code="model_not_ready")
+        if runner is not None and runner != self.config.model_config.runner:
+            what = "an embedding model (--runner pooling)" if runner == "pooling" else "a generative model"
+            raise OpenAIError(
+                f"This endpoint needs {what}; the served model runs as "
+                f"--runner {self.config.model_config.runner}.",
+                HTTPStatus.BAD_REQUEST,
+                code="wrong_model_type",
+            )
         return self.servings
 
 
@@ -277,11 +293,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await state.require_servings().chat.create_chat_completion(request, raw_request)
+        return await state.require_servings("generate").chat.create_chat_completion(request, raw_request)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await state.require_servings().completion.create_completion(request, raw_request)
+        return await state.require_servings("generate").completion.create_completion(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest) -> Response:
+        return _json(await state.require_servings("pooling").embedding.create_embedding(request))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:

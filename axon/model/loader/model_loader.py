@@ -44,7 +44,7 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith("norm.weight") or "layernorm" in name.lower():
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

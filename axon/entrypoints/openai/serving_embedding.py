@@ -1,0 +1,81 @@
+"""POST /v1/embeddings: OpenAI's request and response shapes, on an ``AsyncPoolingLLM``."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from axon.engine.async_pooling import AsyncPoolingLLM
+from axon.engine.input_processor import PromptType
+from axon.entrypoints.openai.errors import bad_request
+from axon.entrypoints.openai.protocol import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingResponseData,
+    UsageInfo,
+)
+from axon.entrypoints.openai.serving_engine import OpenAIServing
+from axon.pooling_params import PoolingParams
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        self.check_model(request.model)
+        self.check_accepting()
+        engine = self.engine
+        assert isinstance(engine, AsyncPoolingLLM)
+        prompts = _prompts(request.input)
+        params = _pooling_params(request)
+        try:
+            for prompt in prompts:  # every input is checked before any runs
+                engine.process(prompt, params)
+        except ValueError as e:
+            raise bad_request(str(e), param=_param_of(str(e))) from e
+        outputs = await engine.embed(prompts, [params] * len(prompts))
+        num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        data = [
+            EmbeddingResponseData(index=i, embedding=_encode(o.outputs.embedding, request.encoding_format))
+            for i, o in enumerate(outputs)
+        ]
+        return EmbeddingResponse(
+            model=self.model_name,
+            data=data,
+            usage=UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens, completion_tokens=None),
+        )
+
+
+def _prompts(value: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
+    """OpenAI's four input forms: a string, strings, one token-id list, token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise bad_request("input must not be an empty list", param="input")
+    if all(isinstance(t, int) for t in value):
+        return [{"prompt_token_ids": list(value)}]  # type: ignore[arg-type]
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in value]  # type: ignore[union-attr]
+
+
+def _pooling_params(request: EmbeddingRequest) -> PoolingParams:
+    try:
+        return PoolingParams(
+            dimensions=request.dimensions,
+            normalize=request.normalize,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+        )
+    except ValueError as e:  # PoolingParams' messages begin with the field's name
+        raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from e
+
+
+def _param_of(message: str) -> str:
+    for name in ("dimensions", "truncate_prompt_tokens"):
+        if message.startswith(name):
+            return name
+    return "input"
+
+
+def _encode(embedding: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return embedding
+    # OpenAI's base64 format: the raw little-endian float32 bytes.
+    return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode("ascii")

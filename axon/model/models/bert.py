@@ -1,0 +1,190 @@
+"""BERT encoders (all-MiniLM-L6-v2 and other sentence-transformers BERT models).
+
+A bidirectional encoder needs no KV cache: one forward over a padded batch with an attention
+mask gives every token's hidden state, which a pooler (``axon/model/pooler.py``) reduces to one
+vector per sequence. Parameter names equal Hugging Face's ``BertModel``, so checkpoints load by
+name (a ``bert.`` prefix, as in ``BertForMaskedLM`` checkpoints, is stripped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+# Checkpoint tensors an encoder without a classification head does not use.
+_UNUSED_PREFIXES = ("pooler.", "cls.")
+
+
+@dataclass(frozen=True)
+class EncoderArch:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    max_position: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> EncoderArch:
+        act = cfg.get("hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {act!r} is not supported by BertModel; expected one of {sorted(_ACTIVATIONS)}"
+            )
+        pos_type = cfg.get("position_embedding_type", "absolute")
+        if pos_type != "absolute":
+            raise ValueError(f"position_embedding_type {pos_type!r} is not supported; expected 'absolute'")
+        return EncoderArch(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            vocab_size=cfg["vocab_size"],
+            max_position=cfg.get("max_position_embeddings", 512),
+            type_vocab_size=cfg.get("type_vocab_size", 2),
+            layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+            hidden_act=act,
+        )
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, arch: EncoderArch) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.position_embeddings = nn.Embedding(arch.max_position, arch.hidden_size)
+        self.token_type_embeddings = nn.Embedding(arch.type_vocab_size, arch.hidden_size)
+        self.LayerNorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids [B, L] -> [B, L, hidden]; every token has type 0 (single-segment input).
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        x = x + self.token_type_embeddings.weight[0]
+        return self.LayerNorm(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, arch: EncoderArch) -> None:
+        super().__init__()
+        h = arch.hidden_size
+        self.num_heads, self.head_dim = arch.num_heads, h // arch.num_heads
+        self.query = nn.Linear(h, h)
+        self.key = nn.Linear(h, h)
+        self.value = nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # x [B, L, hidden], mask [B, 1, 1, L] (True: attend) -> [B, L, hidden]
+        b, t, _ = x.shape
+
+        def heads(proj: nn.Linear) -> torch.Tensor:
+            return proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, L, D]
+
+        out = F.scaled_dot_product_attention(
+            heads(self.query), heads(self.key), heads(self.value), attn_mask=mask
+        )
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, arch: EncoderArch) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(arch)
+        self.output = _DenseNorm(arch.hidden_size, arch.hidden_size, arch.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class _DenseNorm(nn.Module):
+    """Post-norm residual: LayerNorm(dense(h) + residual) (HF's BertSelfOutput / BertOutput)."""
+
+    def __init__(self, in_size: int, out_size: int, eps: float) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_size, out_size)
+        self.LayerNorm = nn.LayerNorm(out_size, eps=eps)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(h) + residual)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, arch: EncoderArch) -> None:
+        super().__init__()
+        self.dense = nn.Linear(arch.hidden_size, arch.intermediate_size)
+        self.act = _ACTIVATIONS[arch.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, arch: EncoderArch) -> None:
+        super().__init__()
+        self.attention = BertAttention(arch)
+        self.intermediate = BertIntermediate(arch)
+        self.output = _DenseNorm(arch.intermediate_size, arch.hidden_size, arch.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, arch: EncoderArch) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(arch) for _ in range(arch.num_layers))
+
+
+class BertModel(nn.Module):
+    """forward(input_ids [B, L], attention_mask [B, L]) -> last hidden states [B, L, hidden].
+
+    ``attention_mask`` is 1 for real tokens and 0 for padding; padded positions never reach a real
+    token's state, so a sequence's output does not depend on what it is batched with.
+    """
+
+    is_pooling_model = True
+
+    def __init__(self, hf_config: dict[str, Any], backend: Any = None) -> None:
+        super().__init__()
+        del backend  # the encoder attends over its own batch, with no KV cache
+        self.arch = EncoderArch.from_hf(hf_config)
+        self.embeddings = BertEmbeddings(self.arch)
+        self.encoder = BertEncoder(self.arch)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(input_ids)
+        mask = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, L]
+        for layer in self.encoder.layer:
+            x = layer(x, mask)
+        return x
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors by name; every parameter must be covered exactly once."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("bert.")
+            if name.endswith("position_ids") or name.startswith(_UNUSED_PREFIXES):
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

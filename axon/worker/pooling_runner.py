@@ -1,0 +1,74 @@
+"""PoolingRunner: an encoder on one device, run over padded batches of whole sequences.
+
+Encoders have no KV cache and no decode: each sequence is computed whole, once. Sequences are
+sorted by length and cut into batches of at most ``max_num_seqs`` rows and
+``max_num_batched_tokens`` padded tokens, so padding stays small; each batch is one forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from axon.config import AxonConfig
+from axon.model.loader.model_loader import load_model
+from axon.model.pooler import PoolerConfig, pool
+from axon.platforms import resolve_device, resolve_dtype
+
+
+class PoolingRunner:
+    def __init__(self, config: AxonConfig, pooler_config: PoolerConfig) -> None:
+        self.device = resolve_device(config.device_config.device)
+        self.dtype = resolve_dtype(config.model_config.dtype, self.device)
+        if config.device_config.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(config.device_config.num_threads)
+        self.model = load_model(config.model_config, self.dtype, self.device, backend=None)  # type: ignore[arg-type]
+        self.pooler_config = pooler_config
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens or 2048
+        self.pad_token_id = int((config.model_config.hf_config or {}).get("pad_token_id") or 0)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.arch.hidden_size
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Pooled, unnormalized float32 vectors [hidden] on the CPU, in the order given."""
+        order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
+        out: list[torch.Tensor | None] = [None] * len(token_ids)
+        for batch in self._batches([len(token_ids[i]) for i in order]):
+            rows = [order[k] for k in batch]
+            pooled = self._forward([token_ids[i] for i in rows])  # [B, hidden]
+            for i, vector in zip(rows, pooled.cpu(), strict=True):
+                out[i] = vector
+        return out  # type: ignore[return-value]
+
+    def _batches(self, sorted_lens: list[int]) -> list[list[int]]:
+        """Consecutive index runs whose padded size (rows x longest) fits the token budget.
+
+        A sequence longer than the budget runs alone (lengths were checked against max_model_len).
+        """
+        batches: list[list[int]] = []
+        current: list[int] = []
+        for k, n in enumerate(sorted_lens):
+            # Lengths ascend, so n is the longest of current + [k].
+            if current and (
+                len(current) >= self.max_num_seqs or (len(current) + 1) * n > self.max_num_batched_tokens
+            ):
+                batches.append(current)
+                current = []
+            current.append(k)
+        if current:
+            batches.append(current)
+        return batches
+
+    def _forward(self, seqs: list[list[int]]) -> torch.Tensor:
+        longest = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), longest), self.pad_token_id, dtype=torch.int64)  # [B, L]
+        attention_mask = torch.zeros((len(seqs), longest), dtype=torch.int64)  # [B, L]
+        for row, s in enumerate(seqs):
+            input_ids[row, : len(s)] = torch.tensor(s, dtype=torch.int64)
+            attention_mask[row, : len(s)] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        hidden = self.model(input_ids, attention_mask)  # [B, L, hidden]
+        return pool(hidden, attention_mask, self.pooler_config.pooling_type)  # [B, hidden] float32
