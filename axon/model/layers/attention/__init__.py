@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from axon.model.layers.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+from axon.model.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from axon.model.layers.attention.reference import ReferenceAttentionBackend
 
-_BACKENDS: dict[str, type] = {"reference": ReferenceAttentionBackend}
+_BACKENDS: dict[str, type] = {"reference": ReferenceAttentionBackend, "cpu_paged": CpuPagedAttentionBackend}
+
+
+def attention_backends() -> list[str]:
+    return sorted(_BACKENDS)
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
@@ -14,4 +19,4 @@ def get_attention_backend(name: str) -> AttentionBackend:
     return _BACKENDS[name]()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend", "write_kv"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "attention_backends", "get_attention_backend", "write_kv"]
