@@ -28,6 +28,9 @@ class ModelConfig:
     max_logprobs: int = 20
     cache_root: str | None = None  # None: $AXON_CACHE_ROOT or ~/.cache/axon
     runner: str = "auto"  # auto | generate | pooling; auto: pooling for encoder architectures
+    # Pooling models only (vLLM's --pooler-config): {"pooling_type": "LAST"|"MEAN"|"CLS"|"MAX",
+    # "normalize": bool, "instruction": str}; see axon/model/pooler.py, which checks it.
+    pooler_config: dict[str, Any] | None = None
     # Resolved by resolve_config(), never set by users:
     model_path: str | None = None  # the HF folder actually loaded (a GGUF file is converted once)
     hf_config: dict[str, Any] | None = field(default=None, repr=False)
@@ -65,7 +68,17 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    enforce_eager: bool = False
+    # True: no compiled graphs, every step eager. None: $AXON_ENFORCE_EAGER (1/0), else False.
+    enforce_eager: bool | None = None
+    # Static-shape buckets (axon/worker/buckets.py; also accepted under vllm-neuron's names in
+    # additional_config.neuron_config). None: powers of two up to the configured maxima.
+    num_batched_tokens_buckets: tuple[int, ...] | None = None
+    num_seqs_buckets: tuple[int, ...] | None = None
+    decode_context_length_buckets: tuple[int, ...] | None = None
+    # on_demand: serve eagerly, compile the buckets traffic reaches in the background;
+    # warmup: compile every bucket before serving.
+    bucket_compile: str = "on_demand"
+    attention_backend: str = "auto"  # auto | reference | cpu_paged
 
 
 @dataclass(frozen=True)
@@ -115,7 +128,13 @@ class AxonConfig:
 
 _RESOLVED_ONLY = {"model_path", "hf_config"}
 # Options that parse from JSON strings when given as text (CLI flags).
-_JSON_OPTIONS = {"speculative_config", "structured_outputs_config", "kv_transfer_config", "additional_config"}
+_JSON_OPTIONS = {
+    "speculative_config",
+    "structured_outputs_config",
+    "kv_transfer_config",
+    "additional_config",
+    "pooler_config",
+}
 
 
 def _option_owners() -> dict[str, str]:
@@ -243,6 +262,13 @@ def validate_config(config: AxonConfig) -> None:
         "must be one of auto, cpu, cuda",
     )
     need(m.max_logprobs >= 0, "max_logprobs", m.max_logprobs, "must be non-negative")
+    comp = config.compilation_config
+    need(
+        comp.bucket_compile in ("on_demand", "warmup"),
+        "bucket_compile",
+        comp.bucket_compile,
+        "must be one of on_demand, warmup",
+    )
     _validate_structured_outputs(config.structured_outputs_config)
 
 

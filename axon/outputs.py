@@ -62,3 +62,19 @@ class EmbeddingRequestOutput:
     finished: bool = True
     prompt: str | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's ``ScoringRequestOutput``: ``.outputs.score`` of one (text_1, text_2) pair; a
+    bi-encoder's score is the cosine similarity of the two embeddings."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # text_1's tokens, then text_2's
+    finished: bool = True

@@ -123,3 +123,19 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+def vllm_cpu_env(vllm_python: str, kv_space_gib: float = 4, threads_bind: str = "0-1") -> dict[str, str]:
+    """This process's environment plus the fastest vLLM-CPU setting measured here: KV space,
+    OpenMP threads bound to cores, tcmalloc and the venv's bundled libiomp5 preloaded."""
+    venv = os.path.dirname(os.path.dirname(vllm_python))
+    preload = [p for p in (TCMALLOC, os.path.join(venv, "lib", "libiomp5.so")) if os.path.exists(p)]
+    return dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=f"{kv_space_gib:g}",
+        VLLM_CPU_OMP_THREADS_BIND=threads_bind,
+        LD_PRELOAD=":".join(preload),
+    )

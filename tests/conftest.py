@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The suite runs eagerly (compiling every engine's buckets would cost minutes on a CI machine);
+# the compilation tests ask for enforce_eager=False themselves. Server subprocesses inherit it.
+os.environ.setdefault("AXON_ENFORCE_EAGER", "1")
+
 TINY_DIMS = {
     "hidden_size": 64,
     "intermediate_size": 128,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from axon.core.scheduler_output import LogprobsLists
+from axon.core.scheduler_output import BucketStep, CompileEvent, LogprobsLists
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
@@ -30,3 +30,9 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
+    # Execution (filled by the engine core from the worker): this step's bucket, the buckets
+    # whose compilation finished since the last report, and start-up times (first report).
+    bucket: BucketStep | None = None
+    compiles: list[CompileEvent] = []
+    model_load_time_s: float | None = None
+    startup_time_s: float | None = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from axon.sampling_params import SamplingParams
 
 
@@ -75,6 +77,20 @@ class LogprobsLists:
     ranks: list[int]
 
 
+class BucketStep(msgspec.Struct):
+    """The static shape one step ran at (msgspec: it reaches the metrics in the front end)."""
+
+    name: str  # vllm-neuron's label: decode_b8, prefill_s1024
+    num_tokens: int  # real tokens
+    padded_tokens: int  # the bucket
+
+
+class CompileEvent(msgspec.Struct):
+    name: str  # the bucket's label
+    seconds: float
+    cache_hit: bool
+
+
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
@@ -84,6 +100,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # req_id -> logprobs for the prompt positions computed this step (first position excluded).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    bucket: BucketStep | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

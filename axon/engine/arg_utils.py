@@ -7,11 +7,19 @@ from typing import Any
 
 from axon.config import AxonConfig, build_config, default_cache_root, replace
 from axon.model.loader import default_model_path, gguf_to_hf_folder, load_hf_config
-from axon.model.loader.default_model import DEFAULT_MODEL_NAME
-from axon.model.pooler import read_pooler_config
-from axon.model.registry import is_pooling_model, resolve_model_class
+from axon.model.loader.default_model import (
+    DEFAULT_EMBEDDING_MODEL_NAME,
+    DEFAULT_MODEL_NAME,
+    default_embedding_model_path,
+)
+from axon.model.pooler import model_pooler_config
+from axon.model.registry import can_pool, is_pooling_model, resolve_model_class
+from axon.worker.buckets import resolve_buckets
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Embedding batches run whole (no decode steps to interleave); on CPU, fewer and larger batches
+# were ~10% faster on all-MiniLM-L6-v2 (benchmarks/embeddings.py: 2048 -> 16384 tokens).
+DEFAULT_POOLING_MAX_NUM_BATCHED_TOKENS = 16384
 
 
 def create_engine_config(**kwargs: Any) -> AxonConfig:
@@ -22,15 +30,22 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     """Locate and read the model, then fill every "auto"/None value. Returns a new tree."""
     m = config.model_config
     cache_root = m.cache_root or default_cache_root()
-    model_path = _resolve_model_path(m.model, m.load_format, cache_root)
+    # No model with runner="pooling": the bundled embedding model, not the generative one.
+    default_embedding = m.model is None and m.runner == "pooling"
+    model = default_embedding_model_path() if default_embedding else m.model
+    model_path = _resolve_model_path(model, m.load_format, cache_root)
     hf = load_hf_config(model_path)
     # An unsupported architecture fails here, early.
     runner = _resolve_runner(m.runner, resolve_model_class(hf.get("architectures")), hf)
     model_max = int(hf.get("max_position_embeddings") or 2048)
     default_len = model_max
     if runner == "pooling":
-        # sentence-transformers' max_seq_length: the length the embeddings were trained for.
-        default_len = min(model_max, read_pooler_config(model_path).max_seq_length or model_max)
+        # Checks pooler_config now; sentence-transformers' max_seq_length is the length the
+        # embeddings were trained for.
+        pooler = model_pooler_config(replace(m, model_path=model_path, hf_config=hf))
+        default_len = min(model_max, pooler.max_seq_length or model_max)
+    elif m.pooler_config is not None:
+        raise ValueError("pooler_config applies only to embedding models (runner='pooling')")
     max_model_len = m.max_model_len or default_len
     if max_model_len > model_max:
         raise ValueError(
@@ -45,25 +60,42 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
         runner=runner,
         cache_root=cache_root,
         tokenizer=m.tokenizer or model_path,
-        served_model_name=m.served_model_name or m.model or DEFAULT_MODEL_NAME,
+        served_model_name=m.served_model_name
+        or m.model
+        or (DEFAULT_EMBEDDING_MODEL_NAME if default_embedding else DEFAULT_MODEL_NAME),
         load_format="dummy" if m.load_format == "dummy" else "safetensors",
     )
     s = config.scheduler_config
-    scheduler_config = replace(
-        s, max_num_batched_tokens=s.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    default_tokens = (
+        DEFAULT_POOLING_MAX_NUM_BATCHED_TOKENS if runner == "pooling" else DEFAULT_MAX_NUM_BATCHED_TOKENS
     )
+    scheduler_config = replace(s, max_num_batched_tokens=s.max_num_batched_tokens or default_tokens)
     c = config.cache_config
     env_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if c.kv_cache_space_gib is None and env_space and float(env_space) > 0:
         c = replace(c, kv_cache_space_gib=float(env_space))
-    return replace(config, model_config=model_config, scheduler_config=scheduler_config, cache_config=c)
+    comp = config.compilation_config
+    if comp.enforce_eager is None:
+        comp = replace(comp, enforce_eager=os.environ.get("AXON_ENFORCE_EAGER", "0") not in ("", "0"))
+    resolved = replace(
+        config,
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=c,
+        compilation_config=comp,
+    )
+    resolve_buckets(resolved)  # bucket lists are checked at start-up, before a model loads
+    return resolved
 
 
 def _resolve_runner(runner: str, model_class: type, hf: dict[str, Any]) -> str:
+    """auto: what the architecture says. A decoder may also pool (Qwen3-Embedding); an encoder
+    cannot generate."""
     pooling = is_pooling_model(model_class)
     if runner == "auto":
         return "pooling" if pooling else "generate"
-    if (runner == "pooling") != pooling:
+    fits = can_pool(model_class) if runner == "pooling" else not pooling
+    if not fits:
         kind = "an embedding (pooling)" if pooling else "a generative"
         raise ValueError(
             f"runner {runner!r} does not fit architecture {hf.get('architectures')!r}, which is {kind} model"

@@ -7,6 +7,7 @@ It owns the scheduler and the executor and knows no tokenizer: it speaks token i
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from axon.config import AxonConfig
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: AxonConfig) -> None:
+        t0 = time.perf_counter()
         self.config = config
         max_model_len = config.model_config.max_model_len
         assert max_model_len is not None, "resolve_config() sets max_model_len"
@@ -38,6 +40,9 @@ class EngineCore:
             structured_output_manager=StructuredOutputManager.from_config(config),
         )
         self.block_hasher = make_block_hasher(config.cache_config.block_size)
+        self.executor.compile_or_warm_up_model()
+        self.startup_time_s = time.perf_counter() - t0
+        self._reported_startup = False
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(
@@ -77,10 +82,20 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        stats.bucket = runner_output.bucket
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.compiles = self.executor.take_compile_events()
+        if not self._reported_startup:
+            stats.model_load_time_s = self.executor.model_load_time_s
+            stats.startup_time_s = self.startup_time_s
+            self._reported_startup = True
+        return stats
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
 
 def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

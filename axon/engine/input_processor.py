@@ -98,13 +98,18 @@ class InputProcessor:
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty (0 tokens)")
         if n >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: it must be "
                 f"shorter, to leave room for at least one generated token"
             )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        validate_token_ids(prompt_token_ids, self.vocab_size)
+
+
+def validate_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
+    """The checks every prompt passes, generated from or embedded: not empty, in the vocabulary."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty (0 tokens)")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")

@@ -23,8 +23,8 @@ def _flag_type(sub: str, f: dataclasses.Field[Any]) -> Any:
     hint = get_type_hints(type(getattr(AxonConfig(), sub)))[f.name]
     if get_origin(hint) in (Union, types.UnionType):
         hint = next(a for a in get_args(hint) if a is not type(None))
-    if get_origin(hint) is dict:
-        return str  # JSON text, parsed by build_config
+    if get_origin(hint) in (dict, tuple):
+        return str  # JSON text (parsed by build_config) or a list such as 1,2,4 (by the resolver)
     return hint
 
 

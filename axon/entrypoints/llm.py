@@ -13,7 +13,7 @@ from axon.engine.input_processor import PromptType
 from axon.engine.llm_engine import LLMEngine
 from axon.engine.pooling_engine import PoolingEngine
 from axon.engine.tokenizer import render_chat
-from axon.outputs import EmbeddingRequestOutput, RequestOutput
+from axon.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from axon.pooling_params import PoolingParams
 from axon.sampling_params import SamplingParams
 
@@ -44,14 +44,38 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt: text, {"prompt": ...}, {"prompt_token_ids": [...]}, a list of
         token ids, or a list of any of these."""
-        del use_tqdm  # accepted for vLLM's signature; the batches run without a progress bar
-        if self.runner_type != "pooling":
-            raise ValueError("embed() needs an embedding model (runner='pooling'); this LLM generates")
+        self._require_pooling("embed")
         prompt_list = _as_prompt_list(prompts)
-        params = _params_per_prompt(pooling_params, len(prompt_list), PoolingParams)
+        params = _params_per_prompt(pooling_params, len(prompt_list), PoolingParams, "PoolingParams")
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
-        return self.llm_engine.embed(prompt_list, params)
+        with _progress(len(prompt_list), use_tqdm) as bar:
+            return self.llm_engine.embed(prompt_list, params, bar.update)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for a bi-encoder: the cosine similarity of each pair's embeddings,
+        one text_1 against every text_2, or text_1[i] with text_2[i]."""
+        self._require_pooling("score")
+        texts_1 = [text_1] if isinstance(text_1, str) else list(text_1)
+        texts_2 = [text_2] if isinstance(text_2, str) else list(text_2)
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        with _progress(len(texts_1) + len(texts_2), use_tqdm) as bar:
+            return self.llm_engine.score(texts_1, texts_2, params, bar.update)
+
+    def _require_pooling(self, what: str) -> None:
+        if self.runner_type != "pooling":
+            raise ValueError(f"{what}() needs an embedding model (runner='pooling'); this LLM generates")
 
     def generate(
         self,
@@ -62,7 +86,7 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
-        params = self._params_per_prompt(sampling_params, len(prompts))
+        params = _params_per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         return self._run(prompts, params, use_tqdm)
 
     def _require_generate(self) -> None:
@@ -89,7 +113,7 @@ class LLM:
             }
             for conv in conversations
         ]
-        params = self._params_per_prompt(sampling_params, len(prompts))
+        params = _params_per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         return self._run(prompts, params, use_tqdm)
 
     def apply_chat_template(
@@ -108,21 +132,6 @@ class LLM:
         )
         return token_ids
 
-    @staticmethod
-    def _params_per_prompt(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
-    ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num_prompts
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
-        if len(sampling_params) != num_prompts:
-            raise ValueError(
-                f"got {len(sampling_params)} sampling_params for {num_prompts} prompts; "
-                "pass one, or one per prompt"
-            )
-        return list(sampling_params)
-
     def _run(
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
@@ -137,7 +146,7 @@ class LLM:
             engine.abort_request(ids)
             raise
         outputs: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        with _progress(len(ids), use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
@@ -166,13 +175,16 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     ]
 
 
-def _params_per_prompt(params: Any, num_prompts: int, kind: type) -> list[Any]:
+def _params_per_prompt(params: Any, num_prompts: int, kind: type, name: str) -> list[Any]:
+    """One params record per prompt: a default, one for all, or one each (``name`` in errors)."""
     if params is None:
         return [kind()] * num_prompts
     if isinstance(params, kind):
         return [params] * num_prompts
     if len(params) != num_prompts:
-        raise ValueError(
-            f"got {len(params)} {kind.__name__} for {num_prompts} prompts; pass one, or one per prompt"
-        )
+        raise ValueError(f"got {len(params)} {name} for {num_prompts} prompts; pass one, or one per prompt")
     return list(params)
+
+
+def _progress(total: int, use_tqdm: bool) -> tqdm:
+    return tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)

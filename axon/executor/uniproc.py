@@ -4,7 +4,7 @@ parallelism) implement the same three methods."""
 from __future__ import annotations
 
 from axon.config import AxonConfig
-from axon.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.worker.worker import Worker
 
 
@@ -20,3 +20,16 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def compile_or_warm_up_model(self) -> None:
+        self.worker.compile_or_warm_up_model()
+
+    def take_compile_events(self) -> list[CompileEvent]:
+        return self.worker.take_compile_events()
+
+    @property
+    def model_load_time_s(self) -> float:
+        return self.worker.model_load_time_s
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

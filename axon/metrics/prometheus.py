@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
 
 from axon.core.outputs import SchedulerStats
+from axon.metrics.execution import ExecutionMetrics
 from axon.metrics.stats import FinishedRequestStats, IterationStats
 
 # The Content-Type of ``render_metrics``'s body, for ``GET /metrics``.
@@ -79,6 +80,7 @@ class PrometheusStatLogger:
         self._make_gauges(cache_config_info)
         self._make_counters()
         self._make_histograms(max_model_len)
+        self.execution = ExecutionMetrics(self.registry, self.labelnames, self.labelvalues)
 
     # ---- the extension point -----------------------------------------------------------------
     def register(self, collector: Collector) -> None:
@@ -101,6 +103,7 @@ class PrometheusStatLogger:
 
     # ---- internals -----------------------------------------------------------------------
     def _record_scheduler(self, stats: SchedulerStats) -> None:
+        self.execution.record(stats)
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)

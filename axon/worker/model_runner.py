@@ -8,18 +8,21 @@ execution slots in; sampling then touches only the rows that complete a sequence
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from axon.core.scheduler_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from axon.core.scheduler_output import BucketStep, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import AttentionMetadata
 from axon.sample.grammar import GrammarBitmask
 from axon.sample.logprobs import compute_logprobs, to_lists
 from axon.sample.metadata import build_sampling_metadata
 from axon.sample.sampler import Sampler
+from axon.worker.buckets import Buckets, bucket_name
+from axon.worker.compiler import BucketCompiler
 from axon.worker.input_batch import CachedRequestState, RequestStates
 
 
@@ -32,14 +35,27 @@ class StepInputs:
     # Rows whose last scheduled token is the sequence's last known token: they sample.
     sample_req_idx: list[int]
     logits_indices: torch.Tensor  # [num_sampled] token index of each sampling row's last token
+    bucket: BucketStep | None = None  # the shape the step runs at
+    graph: Callable[..., torch.Tensor] | None = None  # its compiled graph; None: eager
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        buckets: Buckets | None = None,
+        compiler: BucketCompiler | None = None,
+    ) -> None:
         self.model = model
+        self.attention_layers = model.attention_layers()
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
+        self.buckets = buckets  # steps are padded to them only to run in a compiled graph
+        self.compiler = compiler  # None: eager
         self.requests = RequestStates(device)
         self.sampler = Sampler()
 
@@ -57,6 +73,7 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            bucket=inputs.bucket,
         )
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
@@ -83,14 +100,28 @@ class ModelRunner:
             if end == state.num_tokens:
                 sample_req_idx.append(i)
                 logits_indices.append(query_start_loc[-1] - 1)
+        num_tokens = len(token_ids)
+        is_decode = num_tokens == len(req_ids)
         max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
+        graph, padded = None, num_tokens
+        if self.buckets is not None and self.compiler is not None:
+            target = self.buckets.pad_tokens(num_tokens, is_decode)
+            graph = self.compiler.graph_for(target)
+            if graph is not None:
+                # Pad to the bucket: padded rows write no KV slot (-1) and no row samples them.
+                # A bucket still compiling runs eagerly at its exact shape: padding buys nothing.
+                padded = target
+                token_ids += [0] * (padded - num_tokens)
+                positions += [0] * (padded - num_tokens)
+                slots += [-1] * (padded - num_tokens)
+                max_blocks = self.buckets.pad_context_blocks(max_blocks)
         block_table = torch.zeros(len(req_ids), max_blocks, dtype=torch.int64)
         for i, req_id in enumerate(req_ids):
             ids = self.requests[req_id].block_ids
             block_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
         dev = self.device
         metadata = AttentionMetadata(
-            num_actual_tokens=len(token_ids),
+            num_actual_tokens=num_tokens,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -104,11 +135,14 @@ class ModelRunner:
             attn_metadata=metadata,
             sample_req_idx=sample_req_idx,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            bucket=BucketStep(bucket_name(padded, is_decode), num_tokens, padded),
+            graph=graph,
         )
 
     def run_forward(self, inputs: StepInputs) -> torch.Tensor:
-        with set_forward_context(inputs.attn_metadata):
-            return self.model(inputs.input_ids, inputs.positions)
+        """[padded tokens, hidden]: through the bucket's compiled graph when it is ready."""
+        with set_forward_context(inputs.attn_metadata, self.attention_layers):
+            return (inputs.graph or self.model)(inputs.input_ids, inputs.positions)
 
     def sample(
         self, inputs: StepInputs, hidden: torch.Tensor

@@ -1,15 +1,20 @@
-"""PoolingRunner: an encoder on one device, run over padded batches of whole sequences.
+"""PoolingRunner: an embedding model on one device, run over padded batches of whole sequences.
 
-Encoders have no KV cache and no decode: each sequence is computed whole, once. Sequences are
+The model is an encoder (``BertModel``) or a decoder's embedding adapter
+(``decoder_embedding.py``, which keeps its own per-forward KV cache); both take a right-padded
+[B, L] batch and its mask. There is no decode: each sequence is computed whole, once. Sequences are
 sorted by length and cut into batches of at most ``max_num_seqs`` rows and
 ``max_num_batched_tokens`` padded tokens, so padding stays small; each batch is one forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from axon.config import AxonConfig
+from axon.model.layers.attention import get_attention_backend
 from axon.model.loader.model_loader import load_model
 from axon.model.pooler import PoolerConfig, pool
 from axon.platforms import resolve_device, resolve_dtype
@@ -21,7 +26,9 @@ class PoolingRunner:
         self.dtype = resolve_dtype(config.model_config.dtype, self.device)
         if config.device_config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.device_config.num_threads)
-        self.model = load_model(config.model_config, self.dtype, self.device, backend=None)  # type: ignore[arg-type]
+        # Encoders ignore the backend; a decoder's attention layers run on it (as the worker's do).
+        backend = get_attention_backend("reference")
+        self.model = load_model(config.model_config, self.dtype, self.device, backend)
         self.pooler_config = pooler_config
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens or 2048
@@ -32,8 +39,13 @@ class PoolingRunner:
         return self.model.arch.hidden_size
 
     @torch.inference_mode()
-    def embed(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Pooled, unnormalized float32 vectors [hidden] on the CPU, in the order given."""
+    def embed(
+        self, token_ids: list[list[int]], on_batch: Callable[[int], object] | None = None
+    ) -> list[torch.Tensor]:
+        """Pooled, unnormalized float32 vectors [hidden] on the CPU, in the order given.
+
+        ``on_batch(num_seqs)`` is called after each batch (a progress bar's update).
+        """
         order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
         out: list[torch.Tensor | None] = [None] * len(token_ids)
         for batch in self._batches([len(token_ids[i]) for i in order]):
@@ -41,6 +53,8 @@ class PoolingRunner:
             pooled = self._forward([token_ids[i] for i in rows])  # [B, hidden]
             for i, vector in zip(rows, pooled.cpu(), strict=True):
                 out[i] = vector
+            if on_batch is not None:
+                on_batch(len(rows))
         return out  # type: ignore[return-value]
 
     def _batches(self, sorted_lens: list[int]) -> list[list[int]]:

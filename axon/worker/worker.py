@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+import os
 import time
 
 import torch
 
 from axon.config import AxonConfig
 from axon.core.kv_cache_utils import cdiv
-from axon.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from axon.model.layers.attention import get_attention_backend
+from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
+from axon.model.layers.attention import attention_backends, get_attention_backend
 from axon.model.loader.model_loader import load_model
 from axon.platforms import available_memory_bytes, resolve_device, resolve_dtype
+from axon.worker.buckets import resolve_buckets
+from axon.worker.compiler import BucketCompiler, compile_cache_key
 from axon.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -29,12 +33,61 @@ class Worker:
         if config.device_config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.device_config.num_threads)
         t0 = time.perf_counter()
-        backend = get_attention_backend("reference")
+        self.attention_backend = _attention_backend_name(
+            config.compilation_config.attention_backend, self.device
+        )
+        backend = get_attention_backend(self.attention_backend)
         self.model = load_model(config.model_config, self.dtype, self.device, backend)
         self.model_load_time_s = time.perf_counter() - t0
         hf = config.model_config.hf_config or {}
-        self.runner = ModelRunner(self.model, config.cache_config.block_size, hf["vocab_size"], self.device)
+        self.buckets = resolve_buckets(config)
+        self.compiler = None if config.compilation_config.enforce_eager else self._make_compiler()
+        self.runner = ModelRunner(
+            self.model,
+            config.cache_config.block_size,
+            hf["vocab_size"],
+            self.device,
+            buckets=self.buckets,
+            compiler=self.compiler,
+        )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _make_compiler(self) -> BucketCompiler:
+        m, c = self.config.model_config, self.config.cache_config
+        key = compile_cache_key(
+            {
+                "model": m.model_path,
+                "hf_config": m.hf_config,
+                "dtype": str(self.dtype),
+                "device": self.device.type,
+                "block_size": c.block_size,
+                "attention_backend": self.attention_backend,
+                "torch": torch.__version__,
+                "axon": axon_version(),
+            }
+        )
+        assert m.cache_root is not None, "resolve_config() sets cache_root"
+        return BucketCompiler(
+            self.model,
+            self.model.attention_layers(),
+            self.buckets.token_sizes,
+            c.block_size,
+            self.device,
+            cache_dir=os.path.join(m.cache_root, "compile", key),
+            policy=self.config.compilation_config.bucket_compile,
+        )
+
+    def compile_or_warm_up_model(self) -> None:
+        """Under bucket_compile="warmup", compile every bucket now (the KV cache is bound)."""
+        if self.compiler is not None and self.compiler.policy == "warmup":
+            self.compiler.warmup()
+
+    def take_compile_events(self) -> list[CompileEvent]:
+        return self.compiler.take_events() if self.compiler is not None else []
+
+    def shutdown(self) -> None:
+        if self.compiler is not None:
+            self.compiler.shutdown()
 
     def bytes_per_block(self) -> int:
         arch = self.model.arch
@@ -86,3 +139,17 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+def _attention_backend_name(name: str, device: torch.device) -> str:
+    """auto: the fast paged kernel on the CPU, torch SDPA over the block table elsewhere."""
+    if name != "auto":
+        return name
+    return "cpu_paged" if device.type == "cpu" and "cpu_paged" in attention_backends() else "reference"
+
+
+def axon_version() -> str:
+    try:
+        return importlib.metadata.version("axon")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

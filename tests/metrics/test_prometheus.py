@@ -260,3 +260,33 @@ def test_logging_counts_only_since_the_last_line_and_skips_idle(
     assert "Avg prompt throughput: 0.4 tokens/s, Avg generation throughput: 0.3 tokens/s" in messages[1]
     assert "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%" in messages[1]
     assert "Prefix cache hit rate: 21.4%" in messages[1]  # 3 hits of 14 queried tokens
+
+
+def test_execution_metrics_from_scheduler_stats() -> None:
+    from axon.core.scheduler_output import BucketStep, CompileEvent
+
+    logger = PrometheusStatLogger(MODEL)
+    first = SchedulerStats(
+        bucket=BucketStep("prefill_s128", num_tokens=100, padded_tokens=128),
+        compiles=[
+            CompileEvent("tokens_128", 3.5, cache_hit=False),
+            CompileEvent("tokens_8", 0.4, cache_hit=True),
+        ],
+        model_load_time_s=1.25,
+        startup_time_s=2.5,
+    )
+    logger.record(first, None)
+    for _ in range(3):
+        logger.record(SchedulerStats(bucket=BucketStep("decode_b8", num_tokens=5, padded_tokens=8)), None)
+    s = scrape(logger)
+    assert value(s, "axon:bucket_execution_count_total", bucket_name="decode_b8") == 3
+    assert value(s, "axon:bucket_execution_count_total", bucket_name="prefill_s128") == 1
+    assert value(s, "axon:num_padding_tokens_total") == 28 + 3 * 3
+    assert value(s, "axon:num_seqs_padding_count") == 3 and value(s, "axon:num_seqs_padding_sum") == 24
+    assert value(s, "axon:num_seqs_padding_bucket", le="8.0") == 3
+    assert value(s, "axon:num_seqs_padding_bucket", le="4.0") == 0
+    assert value(s, "axon:num_batched_tokens_padding_sum") == 128
+    assert value(s, "axon:compilation_time_seconds", bucket_name="tokens_128", cache="miss") == 3.5
+    assert value(s, "axon:compilation_time_seconds", bucket_name="tokens_8", cache="hit") == 0.4
+    assert value(s, "axon:model_load_time_seconds") == 1.25
+    assert value(s, "axon:startup_time_seconds") == 2.5

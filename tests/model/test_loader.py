@@ -3,7 +3,6 @@
 import json
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -475,21 +474,18 @@ def test_cache_key_follows_file_and_conversion_is_atomic(tmp_path: Path) -> None
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, float]:
-    """(gguf path, converted folder, seconds the conversion took), converted once per module."""
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(gguf path, converted folder), converted once per module."""
     try:
         path = default_model_path()
     except ValueError as e:
         pytest.skip(str(e))
     cache = tmp_path_factory.mktemp("cache")
-    start = time.perf_counter()
-    folder = gguf_to_hf_folder(path, str(cache))
-    return path, folder, time.perf_counter() - start
+    return path, gguf_to_hf_folder(path, str(cache))
 
 
-def test_smollm2_config(smollm2: tuple[str, str, float]) -> None:
-    _, folder, seconds = smollm2
-    assert seconds < 60
+def test_smollm2_config(smollm2: tuple[str, str]) -> None:
+    _, folder = smollm2
     config = load_hf_config(folder)
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]) == (30, 576, 9)
@@ -504,7 +500,7 @@ def test_smollm2_config(smollm2: tuple[str, str, float]) -> None:
     ]  # fmt: skip
 
 
-def test_smollm2_tokenizer(smollm2: tuple[str, str, float]) -> None:
+def test_smollm2_tokenizer(smollm2: tuple[str, str]) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2[1])
@@ -518,11 +514,11 @@ def test_smollm2_tokenizer(smollm2: tuple[str, str, float]) -> None:
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_smollm2_logits_match_transformers_gguf_load(smollm2: tuple[str, str, float]) -> None:
+def test_smollm2_logits_match_transformers_gguf_load(smollm2: tuple[str, str]) -> None:
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    path, folder, _ = smollm2
+    path, folder = smollm2
     ours = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, local_files_only=True
@@ -534,13 +530,12 @@ def test_smollm2_logits_match_transformers_gguf_load(smollm2: tuple[str, str, fl
         torch.testing.assert_close(ours(input_ids).logits, reference(input_ids).logits, rtol=0, atol=1e-4)
 
 
-def test_smollm2_second_call_is_a_cache_hit(smollm2: tuple[str, str, float]) -> None:
-    path, folder, _ = smollm2
+def test_smollm2_second_call_is_a_cache_hit(smollm2: tuple[str, str]) -> None:
+    path, folder = smollm2
     before = {name: os.stat(os.path.join(folder, name)).st_mtime_ns for name in os.listdir(folder)}
     folder_mtime = os.stat(folder).st_mtime_ns
-    start = time.perf_counter()
+    # A hit rewrites nothing (the mtimes below), rather than a time bound.
     again = gguf_to_hf_folder(path, os.path.dirname(os.path.dirname(folder)))
-    assert time.perf_counter() - start < 0.05
     assert again == folder and os.stat(folder).st_mtime_ns == folder_mtime
     assert {name: os.stat(os.path.join(folder, name)).st_mtime_ns for name in os.listdir(folder)} == before
 

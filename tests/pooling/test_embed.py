@@ -253,6 +253,8 @@ def test_batches_respect_budgets() -> None:
         (["Transformer", "Pooling"], {"pooling_mode_cls_token": True}, ("CLS", False)),
         (["Transformer", "Pooling", "Normalize"], {"pooling_mode_max_tokens": True}, ("MAX", True)),
         (["Transformer", "Pooling", "Normalize"], {"pooling_mode": "mean"}, ("MEAN", True)),
+        (["Transformer", "Pooling", "Normalize"], {"pooling_mode_lasttoken": True}, ("LAST", True)),
+        (["Transformer", "Pooling"], {"pooling_mode": "lasttoken"}, ("LAST", False)),
     ],
 )
 def test_read_pooler_config(tmp_path, modules, pooling, expected) -> None:
@@ -291,3 +293,31 @@ def test_read_pooler_config_rejects_combined_modes(tmp_path) -> None:
     )
     with pytest.raises(ValueError, match="exactly one"):
         read_pooler_config(str(tmp_path))
+
+
+def test_score_is_cosine_of_embeddings(embed_llm) -> None:
+    query, docs = SENTENCES[3], [SENTENCES[4], SENTENCES[0], SENTENCES[22]]
+    vectors = [o.outputs.embedding for o in embed_llm.embed([query, *docs])]
+    one_to_n = embed_llm.score(query, docs)
+    assert [round(o.outputs.score, 6) for o in one_to_n] == [
+        round(_cos(vectors[0], v), 6) for v in vectors[1:]
+    ]
+    assert one_to_n[0].outputs.score > one_to_n[1].outputs.score  # Paris answers the question
+    tokenizer = embed_llm.get_tokenizer()
+    assert one_to_n[0].prompt_token_ids == tokenizer.encode(query) + tokenizer.encode(docs[0])
+    pairwise = embed_llm.score(docs[:2], docs[1:])
+    assert [o.outputs.score for o in pairwise] == pytest.approx(
+        [_cos(vectors[1], vectors[2]), _cos(vectors[2], vectors[3])], abs=1e-6
+    )
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        embed_llm.score(docs[:2], docs)
+    with pytest.raises(ValueError, match="empty"):
+        embed_llm.score(query, "")
+
+
+def test_no_model_with_pooling_runner_is_the_default_embedding_model(minilm_path) -> None:
+    from axon.engine.arg_utils import create_engine_config
+
+    m = create_engine_config(runner="pooling").model_config
+    assert os.path.samefile(m.model_path, minilm_path)
+    assert m.served_model_name == "all-MiniLM-L6-v2" and m.runner == "pooling"

@@ -1,4 +1,5 @@
-"""POST /v1/embeddings on a real ``axon serve`` of all-MiniLM-L6-v2, through the official client."""
+"""POST /v1/embeddings and /score on a real ``axon serve`` of all-MiniLM-L6-v2, through the
+official client, and the vLLM metrics those requests count in."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import base64
 import importlib.util
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -108,8 +110,107 @@ def test_generation_endpoints_refuse_an_embedding_model(embed_server: ServerProc
 def test_embeddings_refused_by_a_generative_model() -> None:
     proc = ServerProcess().wait_ready()  # the default SmolLM2
     try:
-        resp = httpx.post(proc.url + "/v1/embeddings", json={"input": "hi"})
-        assert resp.status_code == 400
-        assert "embedding model (--runner pooling)" in resp.json()["error"]["message"]
+        for path, body in (
+            ("/v1/embeddings", {"input": "hi"}),
+            ("/score", {"text_1": "a", "text_2": "b"}),
+            ("/v1/score", {"text_1": "a", "text_2": "b"}),
+        ):
+            resp = httpx.post(proc.url + path, json=body)
+            assert resp.status_code == 400, path
+            assert resp.json()["error"]["code"] == "wrong_model_type"
+            assert "embedding model (--runner pooling)" in resp.json()["error"]["message"]
     finally:
         proc.stop()
+
+
+SENTENCES = [f"sentence number {i} is about {topic}" for i, topic in enumerate(["cats", "dogs", "rain"] * 11)]
+
+
+def test_32_concurrent_requests(embed_server: ServerProcess) -> None:
+    client = embed_server.client()
+    texts = SENTENCES[:32]
+    batched = client.embeddings.create(model="minilm", input=texts, encoding_format="float")
+
+    def one(text: str) -> list[float]:
+        resp = client.embeddings.create(model="minilm", input=text, encoding_format="float")
+        assert len(resp.data) == 1 and resp.usage.prompt_tokens > 0
+        return resp.data[0].embedding
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        singles = list(pool.map(one, texts))
+    for single, d in zip(singles, batched.data, strict=True):
+        assert np.allclose(single, d.embedding, atol=1e-5)
+
+
+def _embed(server: ServerProcess, texts: list[str]) -> np.ndarray:
+    body = {"model": "minilm", "input": texts}
+    data = httpx.post(server.url + "/v1/embeddings", json=body).json()["data"]
+    return np.asarray([d["embedding"] for d in data])
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_score_is_cosine_of_embeddings(embed_server: ServerProcess) -> None:
+    query, docs = "What is the capital of France?", ["Paris is in France.", "Bananas are yellow."]
+    q, d = _embed(embed_server, [query]), _embed(embed_server, docs)
+    for path in ("/score", "/v1/score"):
+        resp = httpx.post(embed_server.url + path, json={"model": "minilm", "text_1": query, "text_2": docs})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["id"].startswith("score-") and body["object"] == "list" and body["model"] == "minilm"
+        assert isinstance(body["created"], int)
+        assert [(x["index"], x["object"]) for x in body["data"]] == [(0, "score"), (1, "score")]
+        for x, doc in zip(body["data"], d, strict=True):
+            assert abs(x["score"] - _cos(q[0], doc)) < 1e-5
+        assert body["data"][0]["score"] > body["data"][1]["score"]
+        tokens = 2 * len(httpx.post(embed_server.url + "/tokenize", json={"prompt": query}).json()["tokens"])
+        tokens += sum(
+            len(httpx.post(embed_server.url + "/tokenize", json={"prompt": t}).json()["tokens"]) for t in docs
+        )
+        assert body["usage"]["prompt_tokens"] == tokens == body["usage"]["total_tokens"]
+    pairwise = httpx.post(
+        embed_server.url + "/v1/score", json={"text_1": docs, "text_2": [query, query]}
+    ).json()["data"]
+    assert [x["score"] for x in pairwise] == pytest.approx([_cos(doc, q[0]) for doc in d], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
+        ({"text_1": [], "text_2": "a"}, "text_1"),
+        ({"text_1": "a", "text_2": []}, "text_2"),
+        ({"text_1": "", "text_2": "a"}, "text_1"),
+        ({"text_1": "a", "text_2": "word " * 600}, "text_2"),
+        ({"text_1": "a"}, "text_2"),
+        ({"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ],
+)
+def test_score_bad_inputs_are_400(embed_server: ServerProcess, body: dict, param: str) -> None:
+    resp = httpx.post(embed_server.url + "/score", json={"model": "minilm", **body})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param, resp.json()
+    ok = httpx.post(embed_server.url + "/score", json={"model": "minilm", "text_1": "a", "text_2": "b"})
+    assert ok.status_code == 200
+
+
+def test_metrics_count_pooling_requests(embed_server: ServerProcess) -> None:
+    def read() -> tuple[float, float, float]:
+        return (
+            embed_server.metric("vllm:request_success_total"),  # finished_reason="stop" comes first
+            embed_server.metric("vllm:prompt_tokens_total"),
+            embed_server.metric("vllm:e2e_request_latency_seconds_count"),
+        )
+
+    before = read()
+    texts = ["Hello world", "Embeddings count too."]
+    resp = embed_server.client().embeddings.create(model="minilm", input=texts)
+    after = read()
+    assert after[0] - before[0] == 2  # one request per input, as vLLM counts them
+    assert after[1] - before[1] == resp.usage.prompt_tokens
+    assert after[2] - before[2] == 2
+    assert 'finished_reason="stop"' in httpx.get(embed_server.url + "/metrics").text
+    models = embed_server.client().models.list()
+    assert [m.id for m in models.data] == ["minilm"]

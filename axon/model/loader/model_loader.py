@@ -16,7 +16,7 @@ def load_model(
 ) -> nn.Module:
     hf = model_config.hf_config
     assert hf is not None and model_config.model_path is not None, "resolve_config() comes first"
-    cls = resolve_model_class(hf.get("architectures"))
+    cls = resolve_model_class(hf.get("architectures"), model_config.runner)
     # Parameters are built without initialisation (meta), then materialised in place; buffers
     # (rotary tables) are computed for real, in float32.
     prev = torch.get_default_dtype()

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axon.model.models.weights import load_by_name
+
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 # Checkpoint tensors an encoder without a classification head does not use.
 _UNUSED_PREFIXES = ("pooler.", "cls.")
@@ -169,22 +171,9 @@ class BertModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors by name; every parameter must be covered exactly once."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
+
+        def rename(name: str) -> str | None:
             name = name.removeprefix("bert.")
-            if name.endswith("position_ids") or name.startswith(_UNUSED_PREFIXES):
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            return None if name.endswith("position_ids") or name.startswith(_UNUSED_PREFIXES) else name
+
+        load_by_name(self, weights, rename)

@@ -18,6 +18,7 @@ from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.attention.layer import Attention
 from axon.model.layers.norm import RMSNorm
 from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
+from axon.model.models.weights import load_by_name
 
 
 @dataclass(frozen=True)
@@ -160,28 +161,14 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors by name; every parameter must be covered exactly once."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        tied = {"lm_head.weight"} if self.arch.tie_word_embeddings else set()
-        missing = set(params) - loaded - tied
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        tied = self.arch.tie_word_embeddings
+
+        def rename(name: str) -> str | None:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and tied):
+                return None
+            return name
+
+        load_by_name(self, weights, rename, frozenset({"lm_head.weight"} if tied else ()))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,3 +1,12 @@
+"""The attention layer, and the custom op that keeps paged attention out of compiled graphs.
+
+A compiled graph (one per bucket shape) holds everything of a decoder layer except paged
+attention itself: the step's metadata (block tables, ragged lengths) is host-side and changes
+every step, so tracing it would recompile every step. ``torch.ops.axon.paged_attention`` is an
+opaque op to Dynamo and Inductor: it takes only this step's q, k, v and finds its layer's KV
+cache and the step's metadata in the forward context, where the runner put them.
+"""
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +35,26 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, H, D]; k, v [T, KVH, D] -> [T, H, D]
+        if torch.compiler.is_compiling():
+            return torch.ops.axon.paged_attention(q, k, v)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self.kv_cache is not None, "KV cache not bound to this attention layer"
         metadata = get_forward_context().attn_metadata
+        if metadata.num_actual_tokens == 0:  # a compile-time forward: padding rows only
+            return torch.zeros_like(q)
         k_cache, v_cache = self.kv_cache
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return self.backend.forward(q, k_cache, v_cache, metadata, self.scale)
+
+
+@torch.library.custom_op("axon::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The next attention layer of this forward (layers are called in order, once each)."""
+    return get_forward_context().next_attention_layer().attend(q, k, v)
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)

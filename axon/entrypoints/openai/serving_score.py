@@ -1,0 +1,54 @@
+"""POST /score and /v1/score: vLLM's scoring API on a bi-encoder (an ``AsyncPoolingLLM``).
+
+A pair's score is the cosine similarity of its two embeddings (``PoolingEngine.score``).
+"""
+
+from __future__ import annotations
+
+from axon.engine.async_pooling import AsyncPoolingLLM
+from axon.engine.pooling_engine import score_pairs
+from axon.entrypoints.openai.errors import bad_request
+from axon.entrypoints.openai.protocol import ScoreRequest, ScoreResponse, ScoreResponseData, UsageInfo
+from axon.entrypoints.openai.serving_engine import OpenAIServing
+from axon.pooling_params import PoolingParams
+
+
+class OpenAIServingScore(OpenAIServing):
+    async def create_score(self, request: ScoreRequest) -> ScoreResponse:
+        self.check_model(request.model)
+        self.check_accepting()
+        engine = self.engine
+        assert isinstance(engine, AsyncPoolingLLM)
+        params = _pooling_params(request)
+        texts = {"text_1": _texts(request.text_1, "text_1"), "text_2": _texts(request.text_2, "text_2")}
+        for name, side in texts.items():  # every text is checked before any runs
+            for text in side:
+                try:
+                    engine.process(text, params)
+                except ValueError as e:
+                    raise bad_request(f"{name}: {e}", param=name) from e
+        try:
+            score_pairs(len(texts["text_1"]), len(texts["text_2"]))
+        except ValueError as e:
+            raise bad_request(str(e), param="text_2") from e
+        outputs = await engine.score(texts["text_1"], texts["text_2"], params)  # type: ignore[arg-type]
+        num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return ScoreResponse(
+            model=self.model_name,
+            data=[ScoreResponseData(index=i, score=o.outputs.score) for i, o in enumerate(outputs)],
+            usage=UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens, completion_tokens=None),
+        )
+
+
+def _pooling_params(request: ScoreRequest) -> PoolingParams:
+    try:
+        return PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens)
+    except ValueError as e:
+        raise bad_request(str(e), param="truncate_prompt_tokens") from e
+
+
+def _texts(value: str | list[str], name: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else list(value)
+    if not texts:
+        raise bad_request(f"{name} must not be an empty list", param=name)
+    return texts

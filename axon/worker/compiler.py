@@ -1,0 +1,199 @@
+"""One compiled graph per bucket, a compile cache on disk, and no wait for compilation.
+
+The model's forward is compiled by torch.compile (Inductor) with static shapes, so each padded
+token count (``Buckets.token_sizes``) is its own graph; paged attention stays out of the graphs
+as an opaque op (``axon/model/layers/attention/layer.py``). Inductor's graph cache lives under
+``<cache_root>/compile/<key>``, where the key hashes everything that changes a graph (model
+config, dtype, device, block size, attention backend, torch and axon versions), so a second
+start loads every graph instead of generating code.
+
+Two policies (``bucket_compile``):
+  on_demand (default)  the first step of a bucket runs eagerly and queues that bucket; one
+                       background thread compiles queued buckets with an empty forward (no
+                       request, every row padding) and a bucket switches to its graph once
+                       it is ready. No request waits for a compile, and only buckets that
+                       traffic reaches are compiled.
+  warmup               every bucket is compiled before the engine serves (vllm-neuron's way).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from axon.core.scheduler_output import CompileEvent
+from axon.forward_context import set_forward_context
+from axon.model.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")
+
+
+@dataclass
+class CompileRecord:
+    seconds: float
+    cache_hit: bool
+
+
+@dataclass
+class CompileStats:
+    """What compilation did: per padded token count, its time and whether the cache had it."""
+
+    records: dict[int, CompileRecord] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+    graph_steps: int = 0  # steps that ran in a compiled graph
+
+    @property
+    def num_cache_hits(self) -> int:
+        return sum(r.cache_hit for r in self.records.values())
+
+
+def compile_cache_key(parts: dict[str, Any]) -> str:
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class BucketCompiler:
+    def __init__(
+        self,
+        model: nn.Module,
+        attention_layers: Sequence[nn.Module],
+        token_sizes: Sequence[int],
+        block_size: int,
+        device: torch.device,
+        cache_dir: str,
+        policy: str,
+    ) -> None:
+        assert policy in BUCKET_COMPILE_POLICIES, policy
+        self.attention_layers = list(attention_layers)
+        self.token_sizes = tuple(token_sizes)
+        self.block_size = block_size
+        self.device = device
+        self.cache_dir = cache_dir
+        self.policy = policy
+        self.stats = CompileStats()
+        self._ready: set[int] = set()
+        self._queued: set[int] = set()
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._events: list[CompileEvent] = []  # finished since the last take_events()
+        self._lock = threading.Lock()
+        _configure_torch_compile(cache_dir, len(self.token_sizes))
+        # One compiled function: static shapes give one graph per token count it is called at.
+        self._compiled: Callable[..., torch.Tensor] = torch.compile(
+            model.forward, dynamic=False, fullgraph=True
+        )
+
+    def warmup(self) -> None:
+        for n in self.token_sizes:
+            self._compile(n)
+
+    def graph_for(self, num_tokens: int) -> Callable[..., torch.Tensor] | None:
+        """The graph for this bucket if it is ready; else None (run eagerly), and under
+        on_demand the bucket is queued for the background compiler."""
+        if num_tokens in self._ready:
+            self.stats.graph_steps += 1
+            return self._compiled
+        if num_tokens not in self.token_sizes:
+            raise ValueError(f"{num_tokens} tokens is not a bucket; buckets: {list(self.token_sizes)}")
+        if self.policy == "on_demand" and num_tokens not in self._queued:
+            self._queued.add(num_tokens)
+            self._start_thread()
+            self._queue.put(num_tokens)
+        return None
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every queued bucket is compiled (tests, benchmarks). True if done."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queued - self._ready - set(self.stats.failures):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def take_events(self) -> list[CompileEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _name(self, num_tokens: int) -> str:
+        return f"tokens_{num_tokens}"
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+            self._thread = None
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._worker, name="axon-bucket-compiler", daemon=True)
+            self._thread.start()
+
+    def _worker(self) -> None:
+        while (n := self._queue.get()) is not None:
+            self._compile(n)
+
+    def _compile(self, num_tokens: int) -> None:
+        if num_tokens in self._ready:
+            return
+        counters = torch._dynamo.utils.counters["inductor"]
+        hits_before = counters["fxgraph_cache_hit"]
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self._run_empty(num_tokens)
+        except Exception as e:  # a bucket that fails to compile stays eager; serving goes on
+            logger.exception("compiling the %d-token bucket failed; it runs eagerly", num_tokens)
+            self.stats.failures[num_tokens] = f"{type(e).__name__}: {e}"
+            return
+        seconds = time.perf_counter() - t0
+        hit = counters["fxgraph_cache_hit"] > hits_before
+        self.stats.records[num_tokens] = CompileRecord(seconds, hit)
+        with self._lock:
+            self._events.append(CompileEvent(self._name(num_tokens), seconds, hit))
+        self._ready.add(num_tokens)
+        logger.info(
+            "compiled the %d-token bucket in %.1f s (%s)",
+            num_tokens,
+            seconds,
+            "cache hit" if hit else "cache miss",
+        )
+
+    def _run_empty(self, num_tokens: int) -> None:
+        """A forward with no request: every row is padding, so nothing is written or read."""
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_actual_tokens=0,
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            query_start_loc=[0],
+            seq_lens=[],
+            block_table=torch.zeros(0, 1, dtype=torch.int64, device=dev),
+            block_size=self.block_size,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        with set_forward_context(metadata, self.attention_layers):
+            self._compiled(ids, ids.clone())
+
+
+def _configure_torch_compile(cache_dir: str, num_graphs: int) -> None:
+    os.makedirs(cache_dir, exist_ok=True)
+    # Inductor reads its cache root from the environment whenever it looks one up.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    dynamo = torch._dynamo.config
+    limit_name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, limit_name, max(getattr(dynamo, limit_name), num_graphs + 2))
+    if hasattr(dynamo, "accumulated_recompile_limit"):
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * num_graphs)

@@ -1,0 +1,547 @@
+"""Side by side: axon, vLLM's CPU build and transformers on the same fixed workloads.
+
+Each engine runs each workload in its own subprocess (so memory is freed and one engine cannot
+disturb another): load once, one warm-up, then ``--runs`` timed runs; the median is reported in
+ONE table with the ratios axon/vllm and axon/transformers and, for the batch-16 workloads, the
+fraction of the memory-bandwidth floor each engine reaches.
+
+    python -m benchmarks.vs_peers                                     # everything, ~20 minutes
+    python -m benchmarks.vs_peers --workloads a --engines axon,transformers --runs 1 \\
+        --num-prompts 4 --output-len 16                               # a quick try
+    python -m benchmarks.vs_peers --workloads a,b --axon-args '{"enforce_eager": true}'
+
+vLLM runs ``LLM.generate`` from its own virtual environment (``--vllm-python``), through this same
+file as the driver, with the environment of ``benchmarks.common.vllm_cpu_env``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the repo root (axon, benchmarks) importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Only the standard library and benchmarks.common at import time: vLLM's Python runs this file too.
+from benchmarks.common import (
+    ThroughputResult,
+    markdown_table,
+    model_folder,
+    random_prompts,
+    time_call,
+    vllm_cpu_env,
+    vocab_size,
+)
+
+THIS_FILE = os.path.abspath(__file__)
+REPO_ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
+PROMPT_SEED = 0
+MAX_MODEL_LEN = 2048
+ENGINE_NAMES = ("axon", "vllm", "transformers")
+FIRST_TOKEN_MARK = "VS_PEERS_FIRST_TOKEN"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str  # a benchmarks.common model name
+    kind: str  # throughput (tok/s) | latency (TPOT, TTFT) | startup (process start -> first token)
+    num_prompts: int
+    input_len: int
+    output_len: int
+    engines: tuple[str, ...]
+
+
+WORKLOADS: dict[str, Workload] = {
+    "a": Workload("a", "tiny", "throughput", 16, 128, 128, ENGINE_NAMES),
+    "b": Workload("b", "smollm2", "throughput", 16, 128, 128, ENGINE_NAMES),
+    "c": Workload("c", "smollm2", "throughput", 64, 512, 128, ("axon", "vllm")),
+    "d": Workload("d", "smollm2", "latency", 1, 128, 256, ("axon", "vllm")),
+    "e": Workload("e", "smollm2", "startup", 1, 128, 1, ("axon", "vllm")),
+}
+
+
+# ---- engines: each is built inside its worker process, from that engine's Python ----
+
+
+class AxonEngine:
+    def __init__(self, folder: str, dtype: str, max_num_seqs: int | None, extra: dict[str, Any]) -> None:
+        from axon import LLM
+
+        seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+        self.llm = LLM(
+            model=folder,
+            dtype=dtype,
+            max_model_len=MAX_MODEL_LEN,
+            enable_prefix_caching=False,
+            **{**seqs, **extra},
+        )
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
+        from axon import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outputs]
+
+
+class VllmEngine:
+    def __init__(self, folder: str, dtype: str, max_num_seqs: int | None, extra: dict[str, Any]) -> None:
+        del extra  # --axon-args are axon's
+        from vllm import LLM
+
+        seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+        self.llm = LLM(
+            model=folder, dtype=dtype, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, **seqs
+        )
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outputs]
+
+
+def make_engine(spec: dict[str, Any]) -> Any:
+    args = (spec["folder"], spec["dtype"], spec["max_num_seqs"], spec["axon_args"])
+    if spec["engine"] == "axon":
+        return AxonEngine(*args)
+    if spec["engine"] == "vllm":
+        return VllmEngine(*args)
+    from benchmarks.offline_throughput import TransformersEngine  # batched HF generate, no padding
+
+    return TransformersEngine(*args[:3])
+
+
+def spec_prompts(spec: dict[str, Any]) -> list[list[int]]:
+    vocab = vocab_size(spec["folder"])
+    return random_prompts(spec["num_prompts"], spec["input_len"], vocab, PROMPT_SEED)
+
+
+def worker_main(spec_path: str) -> None:
+    """Load, warm up, time; write {load_s, run_s, ttft_s, lengths_ok} to spec["out"]."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    prompts, output_len = spec_prompts(spec), spec["output_len"]
+    start = time.perf_counter()
+    engine = make_engine(spec)
+    load_s = time.perf_counter() - start
+    lengths = engine.generate(prompts, output_len)  # warm-up
+    lengths_ok = all(n == output_len for n in lengths)
+    run_s: list[float] = []
+    ttft_s: list[float] = []
+    if spec["kind"] == "latency":
+        engine.generate(prompts, 1)  # warm-up of the 1-token run
+    for _ in range(spec["runs"]):
+        if spec["kind"] == "latency":
+            # TTFT: a separate 1-token run of the same prompt (prefill + first sample + output).
+            ttft_s.append(time_call(lambda: engine.generate(prompts, 1)))
+        run_s.append(time_call(lambda: engine.generate(prompts, output_len)))
+    result = {"load_s": load_s, "run_s": run_s, "ttft_s": ttft_s, "lengths": sorted(set(lengths))}
+    result["lengths_ok"] = lengths_ok
+    with open(spec["out"], "w") as f:
+        json.dump(result, f)
+
+
+def first_token_main(spec_json: str) -> None:
+    """The start-up child: build the engine, make one token of one prompt, print the mark."""
+    spec = json.loads(spec_json)
+    lengths = make_engine(spec).generate(spec_prompts(spec), 1)
+    print(f"{FIRST_TOKEN_MARK} {lengths}", flush=True)
+
+
+# ---- the parent: one subprocess per (workload, engine) ----
+
+
+@dataclass
+class EngineRun:
+    workload: str
+    engine: str
+    load_s: float | None = None
+    run_s: list[float] = field(default_factory=list)  # startup: [cold, warm] for axon, [one] for vllm
+    ttft_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def engine_python(engine: str, args: argparse.Namespace) -> str:
+    return args.vllm_python if engine == "vllm" else sys.executable
+
+
+def engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
+    return vllm_cpu_env(args.vllm_python) if engine == "vllm" else dict(os.environ)
+
+
+def make_spec(w: Workload, engine: str, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "engine": engine,
+        "kind": w.kind,
+        "folder": model_folder(w.model),
+        "dtype": args.dtype,
+        "num_prompts": w.num_prompts,
+        "input_len": w.input_len,
+        "output_len": w.output_len,
+        # Start-up uses each engine's default; the timed workloads size the batch to the prompts.
+        "max_num_seqs": None if w.kind == "startup" else w.num_prompts,
+        "runs": args.runs,
+        "axon_args": args.axon_args,
+    }
+
+
+def run_worker(w: Workload, engine: str, args: argparse.Namespace) -> EngineRun:
+    spec = make_spec(w, engine, args)
+    stem = os.path.join(args.log_dir, f"{w.name}-{engine}")
+    spec["out"] = f"{stem}.result.json"
+    with open(f"{stem}.spec.json", "w") as f:
+        json.dump(spec, f)
+    if os.path.exists(spec["out"]):
+        os.remove(spec["out"])
+    cmd = [engine_python(engine, args), THIS_FILE, "--worker", f"{stem}.spec.json"]
+    with open(f"{stem}.log", "w") as log:
+        proc = subprocess.run(
+            cmd, env=engine_env(engine, args), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+            timeout=args.worker_timeout, check=False,
+        )  # fmt: skip
+    if proc.returncode != 0 or not os.path.exists(spec["out"]):
+        return EngineRun(w.name, engine, error=f"exit code {proc.returncode}; see {stem}.log")
+    with open(spec["out"]) as f:
+        out = json.load(f)
+    if not out["lengths_ok"]:
+        return EngineRun(w.name, engine, error=f"expected {w.output_len} new tokens, got {out['lengths']}")
+    return EngineRun(w.name, engine, out["load_s"], out["run_s"], out["ttft_s"])
+
+
+def time_first_token(
+    w: Workload, engine: str, args: argparse.Namespace, env: dict[str, str], tag: str
+) -> float:
+    """Seconds from Popen of a fresh ``python -c`` to the child printing its first token."""
+    spec = make_spec(w, engine, args)
+    code = (
+        f"import sys; sys.path.insert(0, {REPO_ROOT!r}); "
+        "from benchmarks.vs_peers import first_token_main; first_token_main(sys.argv[1])"
+    )
+    log_path = os.path.join(args.log_dir, f"{w.name}-{engine}-{tag}.log")
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            [engine_python(engine, args), "-c", code, json.dumps(spec)],
+            env=env, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        elapsed = None
+        for line in proc.stdout:
+            if elapsed is None and line.startswith(FIRST_TOKEN_MARK):
+                elapsed = time.perf_counter() - start
+            log.write(line)
+        try:
+            proc.wait(timeout=args.worker_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    if elapsed is None:
+        raise RuntimeError(
+            f"{engine} start-up printed no token (exit code {proc.returncode}); see {log_path}"
+        )
+    return elapsed
+
+
+def run_startup(w: Workload, engine: str, args: argparse.Namespace) -> EngineRun:
+    try:
+        if engine == "vllm":
+            return EngineRun(
+                w.name, engine, run_s=[time_first_token(w, engine, args, engine_env(engine, args), "start")]
+            )
+        # Cold: a fresh cache root (axon's, and inductor's, should axon compile); warm: the same again.
+        root = tempfile.mkdtemp(prefix="vs_peers-axon-cache-")
+        env = dict(os.environ, AXON_CACHE_ROOT=root, TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"))
+        try:
+            starts = [time_first_token(w, engine, args, env, tag) for tag in ("cold", "warm")]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return EngineRun(w.name, engine, run_s=starts)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return EngineRun(w.name, engine, error=str(e))
+
+
+# ---- the memory-bandwidth floor ----
+
+
+def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
+    """Median GB/s of ``.sum()`` over a ``gib`` GiB bf16 tensor, on torch's default threads."""
+    import torch
+
+    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16)
+    x.sum()  # touch the pages once
+    times = [time_call(x.sum) for _ in range(repeats)]
+    return x.numel() * 2 / statistics.median(times) / 1e9
+
+
+def safetensors_numel(folder: str) -> dict[str, int]:
+    """Tensor name -> element count, from the headers of the folder's safetensors files."""
+    numel: dict[str, int] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+            for key, info in header.items():
+                if key != "__metadata__":
+                    numel[key] = math.prod(info["shape"])
+    return numel
+
+
+def decode_step_bytes(folder: str, dtype_bytes: int, batch: int, mean_context: float) -> float:
+    """Bytes one decode step must read: every weight once (an untied input embedding only gathers
+    ``batch`` rows, so it is left out) plus K and V of ``mean_context`` tokens per sequence."""
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    numel = safetensors_numel(folder)
+    if not cfg.get("tie_word_embeddings", False):
+        numel.pop("model.embed_tokens.weight", None)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+    return sum(numel.values()) * dtype_bytes + kv_per_token * mean_context * batch
+
+
+def floor_step_s(w: Workload, dtype: str, bandwidth_gb_s: float) -> float:
+    dtype_bytes = 4 if dtype in ("float32", "float") else 2
+    mean_context = w.input_len + w.output_len / 2  # decode steps run at contexts input_len .. +output_len
+    return decode_step_bytes(model_folder(w.model), dtype_bytes, w.num_prompts, mean_context) / (
+        bandwidth_gb_s * 1e9
+    )
+
+
+# ---- the table ----
+
+
+@dataclass(frozen=True)
+class Row:
+    workload: str
+    metric: str
+    values: dict[str, float]  # engine -> the row's metric
+    runs: dict[str, list[float]]  # engine -> the measurements behind it (s)
+    floor: str = ""
+
+
+def describe(w: Workload) -> str:
+    shape = f"{w.input_len} -> 1 (start-up)" if w.kind == "startup" else f"{w.input_len} -> {w.output_len}"
+    return f"({w.name}) {w.model}, {w.num_prompts} x {shape}"
+
+
+def workload_rows(w: Workload, runs: dict[str, EngineRun], floor_s: float | None) -> list[Row]:
+    ok = {e: r for e, r in runs.items() if r.error is None}
+    if w.kind == "throughput":
+        tok_s = {
+            e: ThroughputResult(
+                w.model, e, w.num_prompts, w.input_len, w.output_len, r.load_s or 0, r.run_s
+            ).output_tok_s
+            for e, r in ok.items()
+        }
+        floor = ""
+        if floor_s is not None:
+            # Measured mean step = batch / output tok/s (prefill included, as in the wall clock).
+            reached = ", ".join(f"{e} {floor_s / (w.num_prompts / v):.0%}" for e, v in tok_s.items())
+            floor = f"{floor_s * 1e3:.2f} ms/step: {reached}"
+        return [Row(describe(w), "output tok/s (higher is better)", tok_s, _runs(ok), floor)]
+    if w.kind == "latency":
+        ttft = {e: statistics.median(r.ttft_s) for e, r in ok.items()}
+        tpot = {e: (statistics.median(r.run_s) - ttft[e]) / (w.output_len - 1) for e, r in ok.items()}
+        return [
+            Row(describe(w), "TPOT ms (lower is better)", _ms(tpot), _runs(ok)),
+            Row(describe(w), "TTFT ms, 1-token run (lower is better)", _ms(ttft), _runs(ok, "ttft_s")),
+        ]
+    # startup: axon ran cold then warm; vLLM ran once and stands beside both.
+    rows = []
+    for i, cache in enumerate(("cold", "warm")):
+        values = {e: r.run_s[min(i, len(r.run_s) - 1)] for e, r in ok.items()}
+        runs_i = {e: [v] for e, v in values.items()}
+        rows.append(Row(describe(w), f"start s, axon {cache} cache (lower is better)", values, runs_i))
+    return rows
+
+
+def _ms(values: dict[str, float]) -> dict[str, float]:
+    return {e: v * 1e3 for e, v in values.items()}
+
+
+def _runs(runs: dict[str, EngineRun], key: str = "run_s") -> dict[str, list[float]]:
+    return {e: getattr(r, key) for e, r in runs.items()}
+
+
+TABLE_HEADER = [
+    "workload",
+    "metric",
+    *ENGINE_NAMES,
+    "axon/vllm",
+    "axon/transformers",
+    "bandwidth floor: step, share reached",
+    "timed runs s",
+]
+
+
+def table(rows: list[Row]) -> str:
+    def cell(v: float | None) -> str:
+        return "" if v is None else f"{v:,.1f}" if v >= 10 else f"{v:.2f}"
+
+    def ratio(row: Row, base: str) -> str:
+        a, b = row.values.get("axon"), row.values.get(base)
+        return f"{a / b:.2f}x" if a is not None and b else ""
+
+    out = []
+    for r in rows:
+        runs = "; ".join(f"{e} " + "/".join(f"{t:.2f}" for t in ts) for e, ts in r.runs.items())
+        engines = [cell(r.values.get(e)) for e in ENGINE_NAMES]
+        out.append(
+            [r.workload, r.metric, *engines, ratio(r, "vllm"), ratio(r, "transformers"), r.floor, runs]
+        )
+    return markdown_table(TABLE_HEADER, out)
+
+
+# ---- command line ----
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="a,b,c,d,e", help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "--engines", default=",".join(ENGINE_NAMES), help=f"comma list of {', '.join(ENGINE_NAMES)}"
+    )
+    p.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up; the median is reported")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--axon-args",
+        default="{}",
+        help="extra LLM(...) options for axon, as JSON: '{\"enforce_eager\": true}'",
+    )
+    p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    for flag in ("--num-prompts", "--input-len", "--output-len"):
+        p.add_argument(
+            flag, type=int, default=None, help="override every chosen workload's (for quick tries)"
+        )
+    p.add_argument(
+        "--log-dir", default=None, help="per-worker logs and specs (default: a new temporary folder)"
+    )
+    p.add_argument("--worker-timeout", type=float, default=1800, help="seconds before a worker is killed")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every measurement here")
+    args = p.parse_args(argv)
+    args.workloads = _names(p, "--workloads", args.workloads, WORKLOADS)
+    args.engines = _names(p, "--engines", args.engines, ENGINE_NAMES)
+    for flag in ("runs", "num_prompts", "input_len", "output_len"):
+        value = getattr(args, flag)
+        if value is not None and value < (2 if flag == "output_len" else 1):
+            p.error(
+                f"--{flag.replace('_', '-')} must be at least {2 if flag == 'output_len' else 1}, got {value}"
+            )
+    args.axon_args = _axon_args(p, args.axon_args)
+    if "vllm" in args.engines and not os.access(args.vllm_python, os.X_OK):
+        p.error(f"--vllm-python {args.vllm_python!r} is not an executable; see benchmarks/README.md")
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="vs_peers-")
+    os.makedirs(args.log_dir, exist_ok=True)
+    return args
+
+
+def _names(p: argparse.ArgumentParser, flag: str, value: str, known: Sequence[str]) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        p.error(f"{flag}: unknown {unknown or value!r}; supported: {', '.join(known)}")
+    return names
+
+
+def _axon_args(p: argparse.ArgumentParser, text: str) -> dict[str, Any]:
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as e:
+        p.error(f"--axon-args must be a JSON object, got {text!r}: {e}")
+    if not isinstance(extra, dict):
+        p.error(f"--axon-args must be a JSON object, got {text!r}")
+    from axon.config import build_config  # names checked here, not after twenty minutes
+
+    try:
+        build_config(**extra)
+    except (ValueError, TypeError) as e:
+        p.error(f"--axon-args: {e}")
+    return extra
+
+
+def chosen_workloads(args: argparse.Namespace) -> list[Workload]:
+    overrides = {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len")}
+    out = []
+    for name in args.workloads:
+        w = WORKLOADS[name]
+        fixed = {k: v for k, v in overrides.items() if v is not None}
+        if w.kind == "latency":
+            fixed.pop("num_prompts", None)  # one request alone, always
+        if w.kind == "startup":
+            fixed = {k: v for k, v in fixed.items() if k == "input_len"}
+        out.append(dataclasses.replace(w, **fixed))
+    return out
+
+
+def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, EngineRun]:
+    runs = {}
+    for engine in (e for e in args.engines if e in w.engines):
+        start = time.perf_counter()
+        runner = run_startup if w.kind == "startup" else run_worker
+        try:
+            runs[engine] = runner(w, engine, args)
+        except subprocess.TimeoutExpired as e:
+            runs[engine] = EngineRun(w.name, engine, error=f"timed out after {e.timeout:.0f} s")
+        r = runs[engine]
+        status = r.error or f"runs {'/'.join(f'{t:.2f}' for t in r.run_s)} s"
+        print(f"[{w.name}/{engine}] {status} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return runs
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2])
+        return
+    args = parse_args(argv)
+    workloads = chosen_workloads(args)
+    bandwidth = None
+    if any(w.kind == "throughput" for w in workloads):
+        bandwidth = read_bandwidth_gb_s()
+    vllm_env = {k: v for k, v in vllm_cpu_env(args.vllm_python).items() if k.startswith(("VLLM_", "LD_"))}
+    print(
+        f"{args.dtype}, greedy, EOS ignored, prompts of random ids (seed {PROMPT_SEED}); median of "
+        f"{args.runs} runs after one warm-up; axon args {args.axon_args}; vLLM env {vllm_env}; "
+        f"read bandwidth {bandwidth or 0:.1f} GB/s (1 GiB bf16 sum, median of 5); logs in {args.log_dir}",
+        flush=True,
+    )
+    rows: list[Row] = []
+    record: dict[str, Any] = {"args": vars(args), "bandwidth_gb_s": bandwidth, "runs": [], "rows": []}
+    for w in workloads:
+        runs = bench_workload(w, args)
+        floor = floor_step_s(w, args.dtype, bandwidth) if w.kind == "throughput" and bandwidth else None
+        rows += workload_rows(w, runs, floor)
+        record["runs"] += [
+            {**dataclasses.asdict(r), "workload_spec": dataclasses.asdict(w)} for r in runs.values()
+        ]
+        record["rows"] = [dataclasses.asdict(r) for r in rows]
+        if args.json:  # after every workload, so an interrupted run keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=2)
+    print()
+    print(table(rows))
+    for r in record["runs"]:
+        if r["error"]:
+            print(f"FAILED {r['workload']}/{r['engine']}: {r['error']}")
+
+
+if __name__ == "__main__":
+    main()

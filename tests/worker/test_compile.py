@@ -1,0 +1,100 @@
+"""Compiled buckets: the same greedy tokens as eager on every bucket a run uses, background
+compilation that switches buckets over mid-run, and the disk cache hit on a second start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from axon import LLM, SamplingParams
+
+# Two graphs: 4 decode rows, 32 prefill/mixed tokens.
+BUCKETS = {
+    "max_num_seqs": 4,
+    "num_seqs_buckets": [4],
+    "max_num_batched_tokens": 32,
+    "num_batched_tokens_buckets": [32],
+}
+PROMPTS = [
+    {"prompt_token_ids": [(7 * i + 3 * j) % 500 for j in range(n)]} for i, n in enumerate((5, 30, 11, 2))
+]
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _worker(llm: LLM):
+    return llm.llm_engine.engine_core.executor.worker
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(tiny_model_dir) -> list[list[int]]:
+    llm = LLM(
+        model=tiny_model_dir("llama"), dtype="float32", max_model_len=128, enforce_eager=True, **BUCKETS
+    )
+    return _tokens(llm)
+
+
+def test_compiled_equals_eager_on_every_bucket(tiny_model_dir, tmp_path, eager_tokens) -> None:
+    llm = LLM(
+        model=tiny_model_dir("llama"),
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=False,
+        bucket_compile="warmup",
+        cache_root=str(tmp_path),
+        **BUCKETS,
+    )
+    compiler = _worker(llm).compiler
+    assert sorted(compiler.stats.records) == [4, 32] and not compiler.stats.failures
+    assert _tokens(llm) == eager_tokens
+    assert compiler.stats.graph_steps >= 10  # every step: one prefill step, then decodes
+
+
+def test_on_demand_compiles_in_the_background(tiny_model_dir, tmp_path, eager_tokens) -> None:
+    llm = LLM(
+        model=tiny_model_dir("llama"),
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=False,
+        cache_root=str(tmp_path),
+        **BUCKETS,
+    )
+    compiler = _worker(llm).compiler
+    assert compiler.stats.records == {}  # nothing compiled before traffic
+    assert _tokens(llm) == eager_tokens  # eager while the buckets compile
+    assert compiler.wait_idle(timeout=600)
+    assert sorted(compiler.stats.records) == [4, 32] and not compiler.stats.failures
+    before = compiler.stats.graph_steps
+    assert _tokens(llm) == eager_tokens  # now through the graphs
+    assert compiler.stats.graph_steps - before >= 10
+
+
+_START = textwrap.dedent(
+    """
+    import json, sys
+    from axon import LLM
+    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=128, enforce_eager=False,
+              bucket_compile="warmup", cache_root=sys.argv[2], **json.loads(sys.argv[3]))
+    stats = llm.llm_engine.engine_core.executor.worker.compiler.stats
+    print(json.dumps({"graphs": len(stats.records), "hits": stats.num_cache_hits}))
+    """
+)
+
+
+def test_second_start_hits_the_compile_cache(tiny_model_dir, tmp_path) -> None:
+    def start() -> dict:
+        env = {**os.environ, "AXON_ENFORCE_EAGER": "0"}
+        args = [sys.executable, "-c", _START, tiny_model_dir("llama"), str(tmp_path), json.dumps(BUCKETS)]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert start() == {"graphs": 2, "hits": 0}
+    assert start() == {"graphs": 2, "hits": 2}
