@@ -94,8 +94,9 @@ class EngineCore:
             self._reported_startup = True
         return stats
 
-    def shutdown(self) -> None:
-        self.executor.shutdown()
+    def compile_pending(self) -> bool:
+        """Between steps with nothing to run: compile the buckets traffic reached."""
+        return self.executor.compile_pending()
 
 
 def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

@@ -73,7 +73,13 @@ def _loop(core: Any, inp: zmq.Socket, out: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     while True:
-        # Idle: wait for work. Busy: only drain what has already arrived.
+        # Idle: compile the buckets traffic reached, then wait for work. Busy: only drain
+        # what has already arrived.
+        idle = not core.has_unfinished_requests()
+        if idle and not poller.poll(0) and core.compile_pending():
+            out.send_multipart(
+                encode(OUTPUTS, EngineCoreOutputs(outputs=[], scheduler_stats=core.make_stats()))
+            )
         timeout = 0 if core.has_unfinished_requests() else 1000
         while poller.poll(timeout):
             kind, payload = inp.recv_multipart()

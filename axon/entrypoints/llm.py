@@ -137,6 +137,8 @@ class LLM:
     ) -> list[RequestOutput]:
         self._require_generate()
         engine = self.llm_engine
+        # The engine is idle between calls: buckets the last call reached compile now.
+        engine.engine_core.compile_pending()
         # Validate every prompt before enqueuing any, so a bad one changes nothing.
         ids = []
         try:

@@ -31,5 +31,5 @@ class UniProcExecutor:
     def model_load_time_s(self) -> float:
         return self.worker.model_load_time_s
 
-    def shutdown(self) -> None:
-        self.worker.shutdown()
+    def compile_pending(self) -> bool:
+        return self.worker.compile_pending()

@@ -8,11 +8,11 @@ config, dtype, device, block size, attention backend, torch and axon versions), 
 start loads every graph instead of generating code.
 
 Two policies (``bucket_compile``):
-  on_demand (default)  the first step of a bucket runs eagerly and queues that bucket; one
-                       background thread compiles queued buckets with an empty forward (no
-                       request, every row padding) and a bucket switches to its graph once
-                       it is ready. No request waits for a compile, and only buckets that
-                       traffic reaches are compiled.
+  on_demand (default)  a bucket's steps run eagerly at their exact shape until its graph is
+                       ready; the buckets traffic reached compile when the engine is idle
+                       (``compile_pending``), so only those are compiled and no request waits.
+                       Compilation never runs beside a forward: tracing patches module calls
+                       process-wide, so a forward on another thread would be traced too.
   warmup               every bucket is compiled before the engine serves (vllm-neuron's way).
 """
 
@@ -22,8 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,11 +83,8 @@ class BucketCompiler:
         self.policy = policy
         self.stats = CompileStats()
         self._ready: set[int] = set()
-        self._queued: set[int] = set()
-        self._queue: queue.Queue[int | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._pending: list[int] = []  # reached by traffic, not compiled yet
         self._events: list[CompileEvent] = []  # finished since the last take_events()
-        self._lock = threading.Lock()
         _configure_torch_compile(cache_dir, len(self.token_sizes))
         # One compiled function: static shapes give one graph per token count it is called at.
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
@@ -102,49 +97,35 @@ class BucketCompiler:
 
     def graph_for(self, num_tokens: int) -> Callable[..., torch.Tensor] | None:
         """The graph for this bucket if it is ready; else None (run eagerly), and under
-        on_demand the bucket is queued for the background compiler."""
+        on_demand the bucket is remembered for the next ``compile_pending``."""
         if num_tokens in self._ready:
             self.stats.graph_steps += 1
             return self._compiled
         if num_tokens not in self.token_sizes:
             raise ValueError(f"{num_tokens} tokens is not a bucket; buckets: {list(self.token_sizes)}")
-        if self.policy == "on_demand" and num_tokens not in self._queued:
-            self._queued.add(num_tokens)
-            self._start_thread()
-            self._queue.put(num_tokens)
+        if (
+            self.policy == "on_demand"
+            and num_tokens not in self._pending
+            and num_tokens not in self.stats.failures
+        ):
+            self._pending.append(num_tokens)
         return None
 
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until every queued bucket is compiled (tests, benchmarks). True if done."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._queued - self._ready - set(self.stats.failures):
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def compile_pending(self) -> None:
+        """Compile the buckets traffic reached (call it between steps, when idle)."""
+        while self._pending:
+            self._compile(self._pending.pop(0))
 
     def take_events(self) -> list[CompileEvent]:
-        with self._lock:
-            events, self._events = self._events, []
+        events, self._events = self._events, []
         return events
 
     def _name(self, num_tokens: int) -> str:
         return f"tokens_{num_tokens}"
-
-    def shutdown(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=60)
-            self._thread = None
-
-    def _start_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._worker, name="axon-bucket-compiler", daemon=True)
-            self._thread.start()
-
-    def _worker(self) -> None:
-        while (n := self._queue.get()) is not None:
-            self._compile(n)
 
     def _compile(self, num_tokens: int) -> None:
         if num_tokens in self._ready:
@@ -162,8 +143,7 @@ class BucketCompiler:
         seconds = time.perf_counter() - t0
         hit = counters["fxgraph_cache_hit"] > hits_before
         self.stats.records[num_tokens] = CompileRecord(seconds, hit)
-        with self._lock:
-            self._events.append(CompileEvent(self._name(num_tokens), seconds, hit))
+        self._events.append(CompileEvent(self._name(num_tokens), seconds, hit))
         self._ready.add(num_tokens)
         logger.info(
             "compiled the %d-token bucket in %.1f s (%s)",

@@ -85,9 +85,12 @@ class Worker:
     def take_compile_events(self) -> list[CompileEvent]:
         return self.compiler.take_events() if self.compiler is not None else []
 
-    def shutdown(self) -> None:
-        if self.compiler is not None:
-            self.compiler.shutdown()
+    def compile_pending(self) -> bool:
+        """Compile the buckets traffic reached (the engine is idle). True if any was."""
+        if self.compiler is None or not self.compiler.has_pending:
+            return False
+        self.compiler.compile_pending()
+        return True
 
     def bytes_per_block(self) -> int:
         arch = self.model.arch
