@@ -66,6 +66,9 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
 
 
+BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     # True: no compiled graphs, every step eager. None: $AXON_ENFORCE_EAGER (1/0), else False.
@@ -75,8 +78,8 @@ class CompilationConfig:
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
     decode_context_length_buckets: tuple[int, ...] | None = None
-    # on_demand: serve eagerly, compile the buckets traffic reaches in the background;
-    # warmup: compile every bucket before serving.
+    # on_demand: a bucket runs eagerly until the engine, idle, compiles the buckets traffic
+    # reached; warmup: compile every bucket before serving.
     bucket_compile: str = "on_demand"
     attention_backend: str = "auto"  # auto | reference | cpu_paged
 
@@ -264,10 +267,10 @@ def validate_config(config: AxonConfig) -> None:
     need(m.max_logprobs >= 0, "max_logprobs", m.max_logprobs, "must be non-negative")
     comp = config.compilation_config
     need(
-        comp.bucket_compile in ("on_demand", "warmup"),
+        comp.bucket_compile in BUCKET_COMPILE_POLICIES,
         "bucket_compile",
         comp.bucket_compile,
-        "must be one of on_demand, warmup",
+        f"must be one of {', '.join(BUCKET_COMPILE_POLICIES)}",
     )
     _validate_structured_outputs(config.structured_outputs_config)
 

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 if __package__ in (None, ""):  # run as a file: make the repo root (axon, benchmarks) importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,15 +42,18 @@ class Engine(Protocol):
 
 
 class AxonEngine:
-    def __init__(self, folder: str, dtype: str, max_num_seqs: int) -> None:
+    def __init__(
+        self, folder: str, dtype: str, max_num_seqs: int | None, extra: dict[str, Any] | None = None
+    ) -> None:
         from axon import LLM
 
+        seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
         self.llm = LLM(
             model=folder,
             dtype=dtype,
             max_model_len=2048,
-            max_num_seqs=max_num_seqs,
             enable_prefix_caching=False,
+            **{**seqs, **(extra or {})},
         )
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
@@ -59,6 +62,11 @@ class AxonEngine:
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outputs]
+
+    def settle(self) -> None:
+        """After a warm-up: compile the buckets it reached, so timed runs measure the graphs
+        (vLLM compiles before serving, so this is like for like)."""
+        self.llm.llm_engine.engine_core.compile_pending()
 
 
 class TransformersEngine:

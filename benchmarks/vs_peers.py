@@ -77,32 +77,6 @@ WORKLOADS: dict[str, Workload] = {
 # ---- engines: each is built inside its worker process, from that engine's Python ----
 
 
-class AxonEngine:
-    def __init__(self, folder: str, dtype: str, max_num_seqs: int | None, extra: dict[str, Any]) -> None:
-        from axon import LLM
-
-        seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
-        self.llm = LLM(
-            model=folder,
-            dtype=dtype,
-            max_model_len=MAX_MODEL_LEN,
-            enable_prefix_caching=False,
-            **{**seqs, **extra},
-        )
-
-    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
-        from axon import SamplingParams
-
-        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [len(o.outputs[0].token_ids) for o in outputs]
-
-    def settle(self) -> None:
-        """After the warm-up: compile the buckets it reached, so timed runs measure the graphs
-        (vLLM compiles before serving, so this is like for like)."""
-        self.llm.llm_engine.engine_core.compile_pending()
-
-
 class VllmEngine:
     def __init__(self, folder: str, dtype: str, max_num_seqs: int | None, extra: dict[str, Any]) -> None:
         del extra  # --axon-args are axon's
@@ -125,13 +99,14 @@ class VllmEngine:
 
 def make_engine(spec: dict[str, Any]) -> Any:
     args = (spec["folder"], spec["dtype"], spec["max_num_seqs"], spec["axon_args"])
-    if spec["engine"] == "axon":
-        return AxonEngine(*args)
     if spec["engine"] == "vllm":
         return VllmEngine(*args)
-    from benchmarks.offline_throughput import TransformersEngine  # batched HF generate, no padding
+    # Imported here: vLLM's Python runs this file too, and has no axon.
+    from benchmarks.offline_throughput import AxonEngine, TransformersEngine
 
-    return TransformersEngine(*args[:3])
+    if spec["engine"] == "axon":
+        return AxonEngine(*args)
+    return TransformersEngine(*args[:3])  # batched HF generate, no padding
 
 
 def spec_prompts(spec: dict[str, Any]) -> list[list[int]]:

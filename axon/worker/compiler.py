@@ -30,13 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from axon.config import BUCKET_COMPILE_POLICIES
 from axon.core.scheduler_output import CompileEvent
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
-
-BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")
 
 
 @dataclass
@@ -79,7 +78,6 @@ class BucketCompiler:
         self.token_sizes = tuple(token_sizes)
         self.block_size = block_size
         self.device = device
-        self.cache_dir = cache_dir
         self.policy = policy
         self.stats = CompileStats()
         self._ready: set[int] = set()

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import time
 
 import torch
 
+import axon
 from axon.config import AxonConfig
 from axon.core.kv_cache_utils import cdiv
 from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
-from axon.model.layers.attention import attention_backends, get_attention_backend
+from axon.model.layers.attention import get_attention_backend
 from axon.model.loader.model_loader import load_model
 from axon.platforms import available_memory_bytes, resolve_device, resolve_dtype
 from axon.worker.buckets import resolve_buckets
@@ -63,7 +63,7 @@ class Worker:
                 "block_size": c.block_size,
                 "attention_backend": self.attention_backend,
                 "torch": torch.__version__,
-                "axon": axon_version(),
+                "axon": axon.__version__,
             }
         )
         assert m.cache_root is not None, "resolve_config() sets cache_root"
@@ -148,11 +148,4 @@ def _attention_backend_name(name: str, device: torch.device) -> str:
     """auto: the fast paged kernel on the CPU, torch SDPA over the block table elsewhere."""
     if name != "auto":
         return name
-    return "cpu_paged" if device.type == "cpu" and "cpu_paged" in attention_backends() else "reference"
-
-
-def axon_version() -> str:
-    try:
-        return importlib.metadata.version("axon")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    return "cpu_paged" if device.type == "cpu" else "reference"

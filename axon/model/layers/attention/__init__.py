@@ -9,14 +9,10 @@ from axon.model.layers.attention.reference import ReferenceAttentionBackend
 _BACKENDS: dict[str, type] = {"reference": ReferenceAttentionBackend, "cpu_paged": CpuPagedAttentionBackend}
 
 
-def attention_backends() -> list[str]:
-    return sorted(_BACKENDS)
-
-
 def get_attention_backend(name: str) -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; supported: {', '.join(sorted(_BACKENDS))}")
     return _BACKENDS[name]()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "attention_backends", "get_attention_backend", "write_kv"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend", "write_kv"]
