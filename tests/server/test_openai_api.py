@@ -220,7 +220,10 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
         "stream": True,
     }
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
-        for i, _ in enumerate(r.iter_lines()):
+        # Hold the line iterator: a discarded one is closed, and httpcore closes the connection
+        # with it, which would disconnect before the check below.
+        lines = r.iter_lines()
+        for i, _ in enumerate(lines):
             if i >= 8:
                 break
         assert server.metric("vllm:kv_cache_usage_perc") > 0
