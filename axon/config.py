@@ -67,6 +67,7 @@ class ParallelConfig:
 
 
 BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
+LINEAR_BACKENDS = ("auto", "onednn", "torch")  # see axon/model/layers/linear.py
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class CompilationConfig:
     # reached; warmup: compile every bucket before serving.
     bucket_compile: str = "on_demand"
     attention_backend: str = "auto"  # auto | reference | cpu_paged
+    # auto: oneDNN with prepacked weights on the CPU (axon/model/layers/linear.py), else torch.
+    linear_backend: str = "auto"  # auto | onednn | torch
 
 
 @dataclass(frozen=True)
@@ -271,6 +274,12 @@ def validate_config(config: AxonConfig) -> None:
         "bucket_compile",
         comp.bucket_compile,
         f"must be one of {', '.join(BUCKET_COMPILE_POLICIES)}",
+    )
+    need(
+        comp.linear_backend in LINEAR_BACKENDS,
+        "linear_backend",
+        comp.linear_backend,
+        f"must be one of {', '.join(LINEAR_BACKENDS)}",
     )
     _validate_structured_outputs(config.structured_outputs_config)
 

@@ -15,6 +15,7 @@ import torch
 
 from axon.config import AxonConfig
 from axon.model.layers.attention import get_attention_backend
+from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
 from axon.model.pooler import PoolerConfig, pool
 from axon.platforms import resolve_device, resolve_dtype
@@ -28,7 +29,11 @@ class PoolingRunner:
             torch.set_num_threads(config.device_config.num_threads)
         # Encoders ignore the backend; a decoder's attention layers run on it (as the worker's do).
         backend = get_attention_backend("reference")
-        self.model = load_model(config.model_config, self.dtype, self.device, backend)
+        linear = resolve_linear_backend(config.compilation_config.linear_backend, self.dtype, self.device)
+        # Pooling batches are whole prompts: hundreds to thousands of rows.
+        self.model = load_model(
+            config.model_config, self.dtype, self.device, backend, linear, linear_batch_hint=128
+        )
         self.pooler_config = pooler_config
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens or 2048

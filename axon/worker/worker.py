@@ -13,6 +13,7 @@ from axon.config import AxonConfig
 from axon.core.kv_cache_utils import cdiv
 from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.model.layers.attention import get_attention_backend
+from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
 from axon.platforms import available_memory_bytes, resolve_device, resolve_dtype
 from axon.worker.buckets import resolve_buckets
@@ -37,7 +38,17 @@ class Worker:
             config.compilation_config.attention_backend, self.device
         )
         backend = get_attention_backend(self.attention_backend)
-        self.model = load_model(config.model_config, self.dtype, self.device, backend)
+        self.linear_backend = resolve_linear_backend(
+            config.compilation_config.linear_backend, self.dtype, self.device
+        )
+        self.model = load_model(
+            config.model_config,
+            self.dtype,
+            self.device,
+            backend,
+            self.linear_backend,
+            linear_batch_hint=config.scheduler_config.max_num_seqs,
+        )
         self.model_load_time_s = time.perf_counter() - t0
         hf = config.model_config.hf_config or {}
         self.buckets = resolve_buckets(config)
@@ -62,6 +73,7 @@ class Worker:
                 "device": self.device.type,
                 "block_size": c.block_size,
                 "attention_backend": self.attention_backend,
+                "linear_backend": self.linear_backend,
                 "torch": torch.__version__,
                 "axon": axon.__version__,
             }

@@ -12,8 +12,15 @@ from axon.debug.logit_validation import teacher_forced_logits
 FAMILIES = ["llama", "llama3", "llama_tied", "qwen2", "qwen3", "mistral"]
 
 
-def _axon_model(folder: str, block_size: int = 4):
-    llm = LLM(model=folder, dtype="float32", max_model_len=256, max_num_seqs=4, block_size=block_size)
+def _axon_model(folder: str, block_size: int = 4, linear_backend: str = "auto"):
+    llm = LLM(
+        model=folder,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        block_size=block_size,
+        linear_backend=linear_backend,
+    )
     return llm.llm_engine.engine_core.executor.worker.model
 
 
@@ -23,12 +30,13 @@ def _oracle_logits(folder: str, token_ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([token_ids])).logits[0].float()
 
 
+@pytest.mark.parametrize("linear_backend", ["onednn", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tiny_family_logits_match_transformers(family: str, tiny_model_dir) -> None:
+def test_tiny_family_logits_match_transformers(family: str, linear_backend: str, tiny_model_dir) -> None:
     folder = tiny_model_dir(family)
     token_ids = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = _oracle_logits(folder, token_ids)
-    model = _axon_model(folder)
+    model = _axon_model(folder, linear_backend=linear_backend)
     whole = teacher_forced_logits(model, token_ids, block_size=4)
     torch.testing.assert_close(whole, expected, atol=1e-4, rtol=1e-4)
     # Segmented prefill reads the earlier segments back from the paged cache.

@@ -7,13 +7,21 @@ from torch import nn
 
 from axon.config import ModelConfig
 from axon.model.layers.attention import AttentionBackend
+from axon.model.layers.linear import pack_linears
 from axon.model.loader.safetensors_loader import iterate_safetensors
 from axon.model.registry import resolve_model_class
 
 
 def load_model(
-    model_config: ModelConfig, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    linear_backend: str = "torch",
+    linear_batch_hint: int = 16,
 ) -> nn.Module:
+    """``linear_backend`` is resolved ("onednn" or "torch"); oneDNN packs each linear layer's
+    weight once, for ``linear_batch_hint`` rows (the usual decode batch)."""
     hf = model_config.hf_config
     assert hf is not None and model_config.model_path is not None, "resolve_config() comes first"
     cls = resolve_model_class(hf.get("architectures"), model_config.runner)
@@ -36,6 +44,8 @@ def load_model(
         _init_dummy_weights(model, model_config.seed)
     else:
         model.load_weights(iterate_safetensors(model_config.model_path))
+    if linear_backend == "onednn":
+        pack_linears(model, linear_batch_hint)
     return model.eval()
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import AttentionBackend, AttentionMetadata
-from axon.model.models.llama import DecoderArch, LlamaForCausalLM, LlamaModel
+from axon.model.models.llama import STACKED_PARAMS, DecoderArch, LlamaForCausalLM, LlamaModel
 from axon.model.models.weights import load_by_name
 
 _BLOCK_SIZE = 16
@@ -80,7 +80,7 @@ class DecoderEmbeddingModel(nn.Module):
                 return None
             return name if name.startswith("model.") else "model." + name
 
-        load_by_name(self, weights, rename)
+        load_by_name(self, weights, rename, stacked=STACKED_PARAMS)
 
 
 def causal_prefill_metadata(seq_lens: list[int], block_size: int, device: torch.device) -> AttentionMetadata:

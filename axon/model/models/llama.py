@@ -1,7 +1,8 @@
 """The Llama family: Llama (incl. Llama 3 rope scaling, tied embeddings), Mistral, Qwen2
 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm). One decoder, configured by ``DecoderArch``.
 
-Parameter names equal Hugging Face's, so checkpoints load by name.
+Parameter names equal Hugging Face's, so checkpoints load by name, except that q/k/v and
+gate/up are merged into one GEMM each (``STACKED_PARAMS``), as vLLM does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.attention.layer import Attention
+from axon.model.layers.linear import MergedLinear
 from axon.model.layers.norm import RMSNorm
 from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
 from axon.model.models.weights import load_by_name
@@ -68,9 +70,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
-        self.q_proj = nn.Linear(h, arch.num_heads * d, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
+        self.qkv_sizes = (arch.num_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d)
+        self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(arch.num_heads * d, h, bias=False)
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
@@ -82,9 +83,10 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x [T, hidden] -> [T, hidden]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -95,12 +97,23 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, arch: DecoderArch) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        sizes = (arch.intermediate_size, arch.intermediate_size)
+        self.gate_up_proj = MergedLinear(arch.hidden_size, sizes, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+# Checkpoint layers that load into a merged one: name -> (merged layer, shard).
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -168,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
                 return None
             return name
 
-        load_by_name(self, weights, rename, frozenset({"lm_head.weight"} if tied else ()))
+        optional = frozenset({"lm_head.weight"} if tied else ())
+        load_by_name(self, weights, rename, optional, STACKED_PARAMS)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

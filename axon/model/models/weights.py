@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
+
+from axon.model.layers.linear import MergedLinear
 
 
 def load_by_name(
@@ -13,28 +15,67 @@ def load_by_name(
     weights: Iterable[tuple[str, torch.Tensor]],
     rename: Callable[[str], str | None],
     optional: frozenset[str] = frozenset(),
+    stacked: Mapping[str, tuple[str, int]] | None = None,
 ) -> None:
     """Copy each tensor into the parameter ``rename(name)`` names (None: the tensor is unused).
 
-    Every parameter but ``optional`` ones must be covered; an unknown name or a shape mismatch
-    is an error that names the tensor.
+    ``stacked`` maps a checkpoint layer name to a ``MergedLinear`` and its shard: with
+    ``{"q_proj": ("qkv_proj", 0), ...}``, ``layers.0.self_attn.q_proj.weight`` fills the first
+    ``output_sizes[0]`` rows of ``layers.0.self_attn.qkv_proj.weight``.
+
+    Every parameter (every shard of a merged one) but ``optional`` ones must be covered exactly
+    once; an unknown name, a shape mismatch or a repeat is an error that names the tensor.
     """
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    modules = dict(model.named_modules())
+    loaded: set[tuple[str, int | None]] = set()
     for ckpt_name, tensor in weights:
         name = rename(ckpt_name)
         if name is None:
             continue
+        name, shard = _unstack(name, stacked or {})
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
-        param = params[name]
-        if tuple(param.shape) != tuple(tensor.shape):
+        target = params[name]
+        if shard is not None:
+            sizes = _merged(modules, name).output_sizes
+            target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
             )
+        if (name, shard) in loaded:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} is given twice")
         with torch.no_grad():
-            param.copy_(tensor)
-        loaded.add(name)
-    missing = set(params) - loaded - optional
+            target.copy_(tensor)
+        loaded.add((name, shard))
+    expected = {
+        (name, shard)
+        for name in params
+        if name not in optional
+        for shard in _shards(modules, name, stacked is not None)
+    }
+    missing = sorted(f"{n}" if s is None else f"{n} (shard {s})" for n, s in expected - loaded)
     if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _unstack(name: str, stacked: Mapping[str, tuple[str, int]]) -> tuple[str, int | None]:
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in stacked:
+        merged, shard = stacked[parts[-2]]
+        return ".".join([*parts[:-2], merged, parts[-1]]), shard
+    return name, None
+
+
+def _merged(modules: dict[str, nn.Module], param_name: str) -> MergedLinear:
+    module = modules[param_name.rpartition(".")[0]]
+    assert isinstance(module, MergedLinear), f"{param_name} is not a merged layer's parameter"
+    return module
+
+
+def _shards(modules: dict[str, nn.Module], param_name: str, stacking: bool) -> list[int | None]:
+    module = modules[param_name.rpartition(".")[0]]
+    if stacking and isinstance(module, MergedLinear):
+        return list(range(len(module.output_sizes)))
+    return [None]

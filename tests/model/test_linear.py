@@ -1,0 +1,139 @@
+"""Prepacked oneDNN linear layers and merged projections, by their invariants."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axon.model.layers import linear as linear_mod
+from axon.model.layers.linear import (
+    MergedLinear,
+    PackedLinear,
+    onednn_linear_supported,
+    pack_linears,
+    resolve_linear_backend,
+)
+from axon.model.models.weights import load_by_name
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(
+    not onednn_linear_supported(torch.float32, CPU), reason="oneDNN is not available in this torch build"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 16, 100])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("batch_hint", [1, 16, 128])
+def test_packed_equals_f_linear(rows: int, bias: bool, batch_hint: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + batch_hint)
+    layer = nn.Linear(96, 200, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(200, 96, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(200, generator=gen))
+    x = torch.randn(rows, 96, generator=gen)
+    packed = PackedLinear(layer, batch_hint)
+    with torch.inference_mode():
+        got = packed(x)
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+        # Leading dims are kept, as nn.Linear keeps them.
+        assert packed(x.view(1, rows, 96)).shape == (1, rows, 200)
+
+
+@needs_onednn
+def test_compiled_packed_linear_equals_eager() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 32, bias=False))
+    x = torch.randn(8, 64)
+    with torch.inference_mode():
+        expected = model(x)
+    assert pack_linears(model, batch_hint=8) == 2
+    compiled = torch.compile(model, dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings() -> None:
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.qkv = MergedLinear(16, (16, 8, 8), bias=True)
+            self.inner = nn.Sequential(nn.Linear(32, 16))
+            self.head = nn.Linear(16, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tiny()
+    assert pack_linears(model, batch_hint=4) == 3
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(model.embed.weight, nn.Parameter)  # the embedding keeps the shared weight
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.head(x), F.linear(x, model.embed.weight), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_registry_forgets_deleted_layers() -> None:
+    layer = PackedLinear(nn.Linear(8, 8), batch_hint=1)
+    handle = layer.handle
+    assert linear_mod._layers[handle]() is layer
+    del layer
+    gc.collect()
+    assert handle not in linear_mod._layers
+
+
+def test_resolve_linear_backend() -> None:
+    assert resolve_linear_backend("torch", torch.float32, CPU) == "torch"
+    assert resolve_linear_backend("auto", torch.float32, torch.device("cuda")) == "torch"
+    if onednn_linear_supported(torch.float32, CPU):
+        assert resolve_linear_backend("auto", torch.float32, CPU) == "onednn"
+    with pytest.raises(ValueError, match="linear_backend 'onednn'"):
+        resolve_linear_backend("onednn", torch.float32, torch.device("cuda"))
+
+
+class _Stacked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = MergedLinear(4, (3, 2), bias=True)
+        self.out = nn.Linear(5, 4, bias=False)
+
+
+STACKED = {"a_proj": ("proj", 0), "b_proj": ("proj", 1)}
+
+
+def _checkpoint() -> dict[str, torch.Tensor]:
+    return {
+        "a_proj.weight": torch.full((3, 4), 1.0),
+        "a_proj.bias": torch.full((3,), 10.0),
+        "b_proj.weight": torch.full((2, 4), 2.0),
+        "b_proj.bias": torch.full((2,), 20.0),
+        "out.weight": torch.full((4, 5), 3.0),
+    }
+
+
+def test_stacked_checkpoint_tensors_fill_their_shards() -> None:
+    model = _Stacked()
+    load_by_name(model, _checkpoint().items(), lambda n: n, stacked=STACKED)
+    assert torch.equal(model.proj.weight[:3], torch.full((3, 4), 1.0))
+    assert torch.equal(model.proj.weight[3:], torch.full((2, 4), 2.0))
+    assert model.proj.bias.tolist() == [10.0] * 3 + [20.0] * 2
+    assert torch.equal(model.out.weight, torch.full((4, 5), 3.0))
+
+
+def test_stacked_errors_name_the_tensor() -> None:
+    ckpt = _checkpoint()
+    missing = {k: v for k, v in ckpt.items() if not k.startswith("b_proj.weight")}
+    with pytest.raises(ValueError, match=r"proj.weight \(shard 1\)"):
+        load_by_name(_Stacked(), missing.items(), lambda n: n, stacked=STACKED)
+    twice = [*ckpt.items(), ("a_proj.weight", ckpt["a_proj.weight"])]
+    with pytest.raises(ValueError, match="'a_proj.weight' is given twice"):
+        load_by_name(_Stacked(), twice, lambda n: n, stacked=STACKED)
+    wrong = {**ckpt, "b_proj.weight": torch.zeros(3, 4)}
+    with pytest.raises(ValueError, match=r"'b_proj.weight' has shape \(3, 4\), expected \(2, 4\)"):
+        load_by_name(_Stacked(), wrong.items(), lambda n: n, stacked=STACKED)
