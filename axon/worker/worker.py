@@ -108,7 +108,7 @@ class Worker:
 
     def bytes_per_block(self) -> int:
         arch = self.model.arch
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return (
             2
             * arch.num_layers
@@ -162,8 +162,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(1, numel * itemsize))
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 

@@ -2,9 +2,9 @@
 
 ``F.linear`` on the CPU hands every call to MKL's GEMM, which copies panels of the weight into
 its blocked layout on every call; at decode sizes (a few to a few dozen rows) that copy costs
-about as much as the multiplication: on a 2-core AVX2 machine a 16 x 576 @ 576 x 3072 float32 GEMM took 974 us through
-MKL and 573 us through oneDNN with the weight prepacked, and SmolLM2's 49,152-row LM head ran
-at half MKL's time for 1 to 64 rows. ``PackedLinear`` keeps only the packed weight (what
+about as much as the multiplication. On a 2-core AVX2 machine a 16 x 576 @ 576 x 3072 float32
+GEMM took 974 us through MKL and 573 us through oneDNN with the weight prepacked, and
+SmolLM2's 49,152-row LM head ran at half MKL's time for 1 to 64 rows. ``PackedLinear`` keeps only the packed weight (what
 Inductor's freezing pass does for the same reason) and calls oneDNN directly, eager or compiled.
 
 Compiled graphs see one opaque op, ``torch.ops.axon.packed_linear(x, handle)``: an opaque

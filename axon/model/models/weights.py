@@ -38,7 +38,8 @@ def load_by_name(
             raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
         target = params[name]
         if shard is not None:
-            sizes = _merged(modules, name).output_sizes
+            sizes = _output_sizes(modules, name)
+            assert sizes is not None, f"{name} is not a merged layer's parameter"
             target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
@@ -49,12 +50,10 @@ def load_by_name(
         with torch.no_grad():
             target.copy_(tensor)
         loaded.add((name, shard))
-    expected = {
-        (name, shard)
-        for name in params
-        if name not in optional
-        for shard in _shards(modules, name, stacked is not None)
-    }
+    expected: set[tuple[str, int | None]] = set()
+    for name in set(params) - optional:
+        sizes = _output_sizes(modules, name) if stacked is not None else None
+        expected.update((name, shard) for shard in (range(len(sizes)) if sizes else [None]))
     missing = sorted(f"{n}" if s is None else f"{n} (shard {s})" for n, s in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -68,14 +67,7 @@ def _unstack(name: str, stacked: Mapping[str, tuple[str, int]]) -> tuple[str, in
     return name, None
 
 
-def _merged(modules: dict[str, nn.Module], param_name: str) -> MergedLinear:
+def _output_sizes(modules: dict[str, nn.Module], param_name: str) -> tuple[int, ...] | None:
+    """The shard sizes of the ``MergedLinear`` that owns ``param_name``; None for other layers."""
     module = modules[param_name.rpartition(".")[0]]
-    assert isinstance(module, MergedLinear), f"{param_name} is not a merged layer's parameter"
-    return module
-
-
-def _shards(modules: dict[str, nn.Module], param_name: str, stacking: bool) -> list[int | None]:
-    module = modules[param_name.rpartition(".")[0]]
-    if stacking and isinstance(module, MergedLinear):
-        return list(range(len(module.output_sizes)))
-    return [None]
+    return module.output_sizes if isinstance(module, MergedLinear) else None

@@ -67,7 +67,7 @@ class _Group:
 class _Plan:
     """What one step's groups were built from, and the groups."""
 
-    key: tuple[object, ...]  # block_size, num_actual_tokens, query_start_loc, seq_lens
+    key: tuple[object, ...]  # block_size, num_actual_tokens, query_start_loc, seq_lens, cache geometry
     block_table: torch.Tensor  # a copy of the step's table
     groups: list[_Group]
 
@@ -98,19 +98,18 @@ class CpuPagedAttentionBackend:
     def _plan_for(self, metadata: AttentionMetadata, cache: torch.Tensor) -> _Plan:
         # Keyed on contents, not identity: a runner may refill one persistent metadata and block
         # table in place each step (and inference tensors have no version counter to tell).
+        # The cache's dtype and block geometry size the gather buffers.
         key = (
             metadata.block_size,
             metadata.num_actual_tokens,
             tuple(metadata.query_start_loc),
             tuple(metadata.seq_lens),
+            cache.dtype,
+            tuple(cache.shape[1:]),
         )
         plan, table = self._plan, metadata.block_table
         if plan is None or plan.key != key or not _same_table(plan.block_table, table):
             plan = self._plan = _Plan(key, table.clone(), _build_groups(metadata))
-        first = plan.groups[0].k_out if plan.groups else None
-        if first is not None and (first.dtype != cache.dtype or first.shape[1:] != cache.shape[1:]):
-            first = None  # another model's cache shape
-        if plan.groups and first is None:
             for i, group in enumerate(plan.groups):
                 shape = (group.num_reqs * group.num_blocks, *cache.shape[1:])
                 group.k_out = self._scratch_view(2 * i, shape, cache)
