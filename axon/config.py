@@ -67,7 +67,7 @@ class ParallelConfig:
 
 
 BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
-LINEAR_BACKENDS = ("auto", "onednn", "torch")  # see axon/model/layers/linear.py
+LINEAR_BACKENDS = ("auto", "cpu_bf16", "onednn", "torch")  # see axon/model/layers/linear.py
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,10 @@ class CompilationConfig:
     # on_demand: a bucket runs eagerly until the engine, idle, compiles the buckets traffic
     # reached; warmup: compile every bucket before serving.
     bucket_compile: str = "on_demand"
-    attention_backend: str = "auto"  # auto | reference | cpu_paged
-    # auto: oneDNN with prepacked weights on the CPU (axon/model/layers/linear.py), else torch.
-    linear_backend: str = "auto"  # auto | onednn | torch
+    attention_backend: str = "auto"  # auto | reference | cpu_paged | cpu_flash
+    # auto: axon's bf16 kernel on AVX-512 BF16 CPUs, else oneDNN with prepacked weights on the
+    # CPU (axon/model/layers/linear.py), else torch.
+    linear_backend: str = "auto"  # auto | cpu_bf16 | onednn | torch
 
 
 @dataclass(frozen=True)

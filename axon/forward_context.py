@@ -39,11 +39,19 @@ class ForwardContext:
 
 @contextmanager
 def set_forward_context(attn_metadata: Any, attention_layers: Sequence[Any] = ()) -> Iterator[None]:
+    """Also hands the step to the layers' backend when it keeps one of its own (``begin_step``,
+    ``end_step``: the C++ kernels read their step in C++)."""
     prev = getattr(_local, "context", None)
     _local.context = ForwardContext(attn_metadata, attention_layers)
+    backend = attention_layers[0].backend if attention_layers else None
+    begin_step = getattr(backend, "begin_step", None)
     try:
+        if begin_step is not None:
+            begin_step(attn_metadata, attention_layers)
         yield
     finally:
+        if begin_step is not None:
+            backend.end_step()
         _local.context = prev
 
 

@@ -91,3 +91,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str):
 @pytest.fixture(autouse=True, scope="session")
 def _threads() -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def kernel_cache_root() -> str:
+    """Where axon's C++ CPU kernels are built: the default cache root, shared with the engines
+    the tests start, so the suite builds them once."""
+    from axon.config import default_cache_root
+
+    return default_cache_root()

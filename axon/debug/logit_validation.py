@@ -24,11 +24,14 @@ def teacher_forced_logits(
     param = next(model.parameters())
     num_blocks = -(-len(token_ids) // block_size) + 1
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    saved = [layer.kv_cache for layer in layers]
-    for layer in layers:
-        layer.kv_cache = (
-            torch.zeros(shape, dtype=param.dtype, device=param.device),
-            torch.zeros(shape, dtype=param.dtype, device=param.device),
+    saved = [(layer.layer_idx, layer.kv_cache) for layer in layers]
+    for i, layer in enumerate(layers):
+        layer.bind_kv_cache(
+            i,
+            (
+                torch.zeros(shape, dtype=param.dtype, device=param.device),
+                torch.zeros(shape, dtype=param.dtype, device=param.device),
+            ),
         )
     # Blocks 1..n in reverse order, so that a wrong block-table lookup cannot pass by accident.
     block_ids = list(range(num_blocks - 1, 0, -1))
@@ -45,10 +48,10 @@ def teacher_forced_logits(
             )
             metadata = AttentionMetadata(end - start, slots, [0, end - start], [end], block_table, block_size)
             ids = torch.tensor(token_ids[start:end], device=param.device)
-            with set_forward_context(metadata):
+            with set_forward_context(metadata, layers):
                 hidden = model(ids, positions)
             out.append(model.compute_logits(hidden).float())
     finally:
-        for layer, kv in zip(layers, saved, strict=True):
-            layer.kv_cache = kv
+        for layer, (idx, kv) in zip(layers, saved, strict=True):
+            layer.layer_idx, layer.kv_cache = idx, kv
     return torch.cat(out)

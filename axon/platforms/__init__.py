@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import os
 
 import torch
+from torch import nn
 
 _DTYPES = {
     "float32": torch.float32,
@@ -48,3 +51,48 @@ def available_memory_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return free
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in an anonymous mapping backed by transparent huge pages.
+
+    The kernel hands out zero pages on first touch, so nothing is written up front (``torch.zeros``
+    of a 4 GiB KV cache took 5.6 s on a 2-core machine) and resident memory grows as it is used.
+    Huge pages (``MADV_HUGEPAGE``; where the kernel allows them) cut TLB misses when weights or
+    KV blocks stream by: a one-row GEMV over 56 MB of bf16 weights read 35 GB/s from huge pages
+    and 23 GB/s from 4 KiB pages on a 2-core EPYC.
+    """
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # Private: a shared anonymous mapping is shmem, which gets no huge pages.
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: 4 KiB pages it is
+            pass
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
+@torch.no_grad()
+def move_to_huge_pages(module: nn.Module) -> None:
+    """Copy every CPU parameter and buffer of ``module`` into one huge-page mapping (tied
+    tensors stay tied). Weights stream from memory every decode step; see ``huge_page_zeros``."""
+    tensors: dict[int, torch.Tensor] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous():
+            tensors.setdefault(id(t), t)
+    if not tensors:
+        return
+    align = 64  # bytes: every tensor starts on a cache line
+    offsets, total = {}, 0
+    for key, t in tensors.items():
+        offsets[key] = total
+        total += -(-t.numel() * t.element_size() // align) * align
+    arena = huge_page_zeros((total,), torch.uint8)
+    for key, t in tensors.items():
+        start = offsets[key]
+        view = arena[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        t.data = view

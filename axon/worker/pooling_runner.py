@@ -19,6 +19,7 @@ from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
 from axon.model.pooler import PoolerConfig, pool
 from axon.platforms import resolve_device, resolve_dtype
+from axon.platforms.cpu_kernels import load_cpu_kernels
 
 
 class PoolingRunner:
@@ -29,7 +30,12 @@ class PoolingRunner:
             torch.set_num_threads(config.device_config.num_threads)
         # Encoders ignore the backend; a decoder's attention layers run on it (as the worker's do).
         backend = get_attention_backend("reference")
-        linear = resolve_linear_backend(config.compilation_config.linear_backend, self.dtype, self.device)
+        cache_root = config.model_config.cache_root
+        assert cache_root is not None, "resolve_config() sets cache_root"
+        cpu_kernels = self.device.type == "cpu" and load_cpu_kernels(cache_root)
+        linear = resolve_linear_backend(
+            config.compilation_config.linear_backend, self.dtype, self.device, cpu_kernels
+        )
         # Pooling batches are whole prompts: hundreds to thousands of rows.
         self.model = load_model(
             config.model_config, self.dtype, self.device, backend, linear, linear_batch_hint=128

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import os
 import time
 
@@ -17,7 +15,8 @@ from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, Schedule
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
-from axon.platforms import available_memory_bytes, resolve_device, resolve_dtype
+from axon.platforms import available_memory_bytes, huge_page_zeros, resolve_device, resolve_dtype
+from axon.platforms.cpu_kernels import load_cpu_kernels
 from axon.worker.buckets import resolve_buckets
 from axon.worker.compiler import BucketCompiler, compile_cache_key
 from axon.worker.model_runner import ModelRunner
@@ -36,12 +35,15 @@ class Worker:
         if config.device_config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.device_config.num_threads)
         t0 = time.perf_counter()
+        cache_root = config.model_config.cache_root
+        assert cache_root is not None, "resolve_config() sets cache_root"
+        cpu_kernels = self.device.type == "cpu" and load_cpu_kernels(cache_root)
         self.attention_backend = _attention_backend_name(
-            config.compilation_config.attention_backend, self.device
+            config.compilation_config.attention_backend, self.device, cpu_kernels
         )
-        backend = get_attention_backend(self.attention_backend)
+        backend = get_attention_backend(self.attention_backend, cache_root)
         self.linear_backend = resolve_linear_backend(
-            config.compilation_config.linear_backend, self.dtype, self.device
+            config.compilation_config.linear_backend, self.dtype, self.device, cpu_kernels
         )
         self.model = load_model(
             config.model_config,
@@ -140,9 +142,9 @@ class Worker:
         arch = self.model.arch
         shape = (num_blocks, self.config.cache_config.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = []
-        for layer in self.model.attention_layers():
+        for i, layer in enumerate(self.model.attention_layers()):
             kv = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
-            layer.kv_cache = kv
+            layer.bind_kv_cache(i, kv)
             self.kv_caches.append(kv)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
@@ -156,18 +158,17 @@ class Worker:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache tensor. On the CPU, an anonymous mapping: the kernel hands out zero pages
-    on first touch, so start-up does not write gigabytes of zeros (``torch.zeros`` of a 4 GiB
-    KV cache took 5.6 s on a 2-core machine) and resident memory grows only as blocks are used."""
+    """A zeroed cache tensor; on the CPU in huge pages, zeroed by the kernel on first touch."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = math.prod(shape)
-    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+    return huge_page_zeros(shape, dtype)
 
 
-def _attention_backend_name(name: str, device: torch.device) -> str:
-    """auto: the fast paged kernel on the CPU, torch SDPA over the block table elsewhere."""
+def _attention_backend_name(name: str, device: torch.device, cpu_kernels: bool) -> str:
+    """auto: on the CPU the C++ kernel, or the pure-torch paged one where the kernels could not
+    be built; torch SDPA over the block table elsewhere."""
     if name != "auto":
         return name
-    return "cpu_paged" if device.type == "cpu" else "reference"
+    if device.type != "cpu":
+        return "reference"
+    return "cpu_flash" if cpu_kernels else "cpu_paged"

@@ -1,4 +1,7 @@
-"""The cpu_paged attention backend against the reference, on seeded random paged batches.
+"""The fast CPU attention backends against the reference, on seeded random paged batches.
+
+``cpu_paged`` (pure torch) and ``cpu_flash`` (C++), the latter both through its AVX-512 kernels
+(where the CPU has them) and through its plain loops (``set_generic``), which other CPUs run.
 
 Every case builds a KV cache with shuffled block ids, a block table padded with the null block
 past each request's blocks, and optionally query rows padded past ``num_actual_tokens``; both
@@ -15,6 +18,7 @@ import torch
 
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.attention.backend import AttentionMetadata
+from axon.model.layers.attention.cpu_flash import CpuFlashAttentionBackend
 from axon.model.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from axon.model.layers.attention.reference import ReferenceAttentionBackend
 
@@ -90,9 +94,23 @@ def run(backend: object, case: Case) -> torch.Tensor:
     return backend.forward(case.q, case.k_cache, case.v_cache, case.metadata, case.scale)
 
 
-def check(case: Case) -> None:
+@pytest.fixture(params=["cpu_paged", "cpu_flash", "cpu_flash_generic"])
+def fast(request: pytest.FixtureRequest, kernel_cache_root: str):
+    """The backend under test; every test below runs once for each."""
+    if request.param == "cpu_paged":
+        yield CpuPagedAttentionBackend()
+        return
+    backend = CpuFlashAttentionBackend(kernel_cache_root)
+    torch.ops.axon_cpu.set_generic(request.param == "cpu_flash_generic")
+    try:
+        yield backend
+    finally:
+        torch.ops.axon_cpu.set_generic(False)
+
+
+def check(fast: object, case: Case) -> None:
     want = run(ReferenceAttentionBackend(), case)
-    got = run(CpuPagedAttentionBackend(), case)
+    got = run(fast, case)
     tol = TOLERANCE[case.q.dtype]
     assert got.shape == case.q.shape and got.dtype == case.q.dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -104,72 +122,71 @@ def check(case: Case) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("gqa_ratio", [1, 2, 3, 4, 8])
-def test_mixed_ragged_batch(gqa_ratio: int, block_size: int, dtype: torch.dtype) -> None:
+def test_mixed_ragged_batch(fast: object, gqa_ratio: int, block_size: int, dtype: torch.dtype) -> None:
     seed = gqa_ratio * 1000 + block_size
     rng = random.Random(seed)
     reqs = random_reqs(rng, num_reqs=rng.randint(2, 6), max_len=2 * block_size + 5)
-    check(make_case(reqs, 2, gqa_ratio, block_size, dtype, seed, pad_rows=rng.randint(0, 5), pad_blocks=3))
+    check(fast, make_case(reqs, 2, gqa_ratio, block_size, dtype, seed, pad_rows=rng.randint(0, 5), pad_blocks=3))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gqa_ratio", [1, 3, 8])
-def test_decodes_only(gqa_ratio: int, dtype: torch.dtype) -> None:
+def test_decodes_only(fast: object, gqa_ratio: int, dtype: torch.dtype) -> None:
     rng = random.Random(gqa_ratio)
     reqs = [(rng.randint(1, 200), 1) for _ in range(13)]
-    check(make_case(reqs, 2, gqa_ratio, 16, dtype, gqa_ratio, pad_rows=3, pad_blocks=5))
+    check(fast, make_case(reqs, 2, gqa_ratio, 16, dtype, gqa_ratio, pad_rows=3, pad_blocks=5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decodes_filling_their_blocks(dtype: torch.dtype) -> None:
+def test_decodes_filling_their_blocks(fast: object, dtype: torch.dtype) -> None:
     # Every seq_len a multiple of block_size: the unmasked decode path.
-    check(make_case([(32, 1), (32, 1), (32, 1)], 4, 2, 16, dtype, 7))
+    check(fast, make_case([(32, 1), (32, 1), (32, 1)], 4, 2, 16, dtype, 7))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_equal_prefills_batched(dtype: torch.dtype) -> None:
+def test_equal_prefills_batched(fast: object, dtype: torch.dtype) -> None:
     # Same-length fresh prefills share one causal call; lengths not a multiple of block_size.
-    check(make_case([(37, 37)] * 4, 3, 3, 16, dtype, 11, pad_rows=2, pad_blocks=2))
+    check(fast, make_case([(37, 37)] * 4, 3, 3, 16, dtype, 11, pad_rows=2, pad_blocks=2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prefix_hits(dtype: torch.dtype) -> None:
+def test_prefix_hits(fast: object, dtype: torch.dtype) -> None:
     # Same query count over different cached prefixes (one group, bottom-right causal mask),
     # and a single query over a long prefix among prefills.
     reqs = [(40, 9), (9, 9), (70, 9), (100, 1), (64, 33)]
-    check(make_case(reqs, 2, 4, 16, dtype, 13, pad_rows=4, pad_blocks=1))
+    check(fast, make_case(reqs, 2, 4, 16, dtype, 13, pad_rows=4, pad_blocks=1))
 
 
-def test_interleaved_groups() -> None:
+def test_interleaved_groups(fast: object) -> None:
     # Decodes and prefills alternate, so no group owns a contiguous run of rows.
     reqs = [(50, 1), (20, 20), (31, 1), (20, 20), (5, 1), (44, 12)]
-    check(make_case(reqs, 2, 2, 8, torch.float32, 17, pad_rows=1))
+    check(fast, make_case(reqs, 2, 2, 8, torch.float32, 17, pad_rows=1))
 
 
-def test_padding_rows_do_not_change_real_rows() -> None:
+def test_padding_rows_do_not_change_real_rows(fast: object) -> None:
     case = make_case([(30, 1), (25, 25), (60, 4)], 2, 2, 16, torch.bfloat16, 19, pad_rows=6)
-    backend = CpuPagedAttentionBackend()
-    first = run(backend, case)
+    first = run(fast, case)
     case.q[case.metadata.num_actual_tokens :] = 1e4
-    second = run(backend, case)
+    second = run(fast, case)
     assert torch.equal(first, second)
     assert bool(torch.isfinite(second).all())
 
 
-def test_non_contiguous_q() -> None:
+def test_non_contiguous_q(fast: object) -> None:
     # q as the model hands it over: a column slice of a fused qkv projection.
     case = make_case([(20, 1), (33, 33), (50, 6)], 2, 3, 16, torch.bfloat16, 29, pad_rows=2)
     fused = torch.cat([case.q.flatten(1), torch.randn(len(case.q), 64).to(case.q.dtype)], dim=1)
     case.q = fused[:, : case.q[0].numel()].view(case.q.shape)
     assert not case.q.is_contiguous()
-    check(case)
+    check(fast, case)
 
 
 @torch.inference_mode()
-def test_plan_rebuilt_when_step_changes() -> None:
+def test_plan_rebuilt_when_step_changes(fast: object) -> None:
     # One backend serves every layer and step (under inference mode, as in the runner): an
     # in-place refill of the block table, or new lengths, must not reuse the previous step's
     # gather indices or masks.
-    backend, reference = CpuPagedAttentionBackend(), ReferenceAttentionBackend()
+    backend, reference = fast, ReferenceAttentionBackend()
     case = make_case([(30, 1), (45, 1)], 2, 2, 16, torch.float32, 23, pad_blocks=2)
     torch.testing.assert_close(run(backend, case), run(reference, case))
     table = case.metadata.block_table
@@ -179,5 +196,6 @@ def test_plan_rebuilt_when_step_changes() -> None:
     torch.testing.assert_close(run(backend, case), run(reference, case))
 
 
-def test_registered() -> None:
+def test_registered(kernel_cache_root: str) -> None:
     assert get_attention_backend("cpu_paged").name == "cpu_paged"
+    assert get_attention_backend("cpu_flash", cache_root=kernel_cache_root).name == "cpu_flash"

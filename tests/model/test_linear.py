@@ -1,4 +1,4 @@
-"""Prepacked oneDNN linear layers and merged projections, by their invariants."""
+"""Packed linear layers (oneDNN's and axon's bf16 kernel) and merged projections, by their invariants."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ from torch import nn
 
 from axon.model.layers import linear as linear_mod
 from axon.model.layers.linear import (
+    CpuBf16Linear,
     MergedLinear,
     PackedLinear,
+    cpu_bf16_linear_supported,
     onednn_linear_supported,
     pack_linears,
     resolve_linear_backend,
 )
 from axon.model.models.weights import load_by_name
+from axon.platforms.cpu_kernels import load_cpu_kernels
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
@@ -52,7 +55,7 @@ def test_compiled_packed_linear_equals_eager() -> None:
     x = torch.randn(8, 64)
     with torch.inference_mode():
         expected = model(x)
-    assert pack_linears(model, batch_hint=8) == 2
+    assert pack_linears(model, "onednn", batch_hint=8) == 2
     compiled = torch.compile(model, dynamic=False, fullgraph=True)
     with torch.inference_mode():
         torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-5)
@@ -70,7 +73,7 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings() -> None:
             self.head.weight = self.embed.weight
 
     model = Tiny()
-    assert pack_linears(model, batch_hint=4) == 3
+    assert pack_linears(model, "onednn", batch_hint=4) == 3
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert isinstance(model.embed.weight, nn.Parameter)  # the embedding keeps the shared weight
     x = torch.randn(2, 16)
@@ -88,6 +91,70 @@ def test_registry_forgets_deleted_layers() -> None:
     assert handle not in linear_mod._layers
 
 
+@pytest.fixture(scope="module")
+def bf16_kernel(kernel_cache_root: str) -> None:
+    if not (load_cpu_kernels(kernel_cache_root) and cpu_bf16_linear_supported(torch.bfloat16, CPU, True)):
+        pytest.skip("axon's bf16 linear kernel needs a CPU with AVX-512 BF16 and a C++ compiler")
+
+
+def _bf16_layer(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Linear:
+    gen = torch.Generator().manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, in_features, generator=gen) / in_features**0.5)
+        if bias:
+            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(96, 200), (64, 64), (128, 16), (2, 130)], ids=str)
+def test_cpu_bf16_equals_f_linear(bf16_kernel: None, rows: int, bias: bool, shape: tuple[int, int]) -> None:
+    # Column counts off the kernel's 64-column panels and 16-column blocks, row counts off its
+    # 4-row passes and past its 256-row chunks: every edge of the tiling.
+    in_features, out_features = shape
+    layer = _bf16_layer(in_features, out_features, bias, seed=rows * 31 + out_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    packed = CpuBf16Linear(layer)
+    with torch.inference_mode():
+        got_float = packed(x, float_out=True)
+        got = packed(x)
+        assert packed(x.view(1, rows, in_features)).shape == (1, rows, out_features)
+        assert packed(x[:0]).shape == (0, out_features)
+    assert got_float.dtype == torch.float32 and got.dtype == torch.bfloat16
+    # float32 accumulation in another order: close to the float32 product; the bf16 output is
+    # that result rounded once.
+    torch.testing.assert_close(got_float, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, got_float.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_cpu_bf16_compiled_equals_eager_and_skips_odd_widths(bf16_kernel: None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 33), nn.Linear(33, 8)).to(torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = model(x)
+    assert pack_linears(model, "cpu_bf16", batch_hint=8) == 2  # 33 inputs: left as nn.Linear
+    assert isinstance(model[3], nn.Linear) and isinstance(model[0], CpuBf16Linear)
+    compiled = torch.compile(model, dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        eager = model(x)
+        torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
+        torch.testing.assert_close(eager, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_bf16_rejects_bad_input(bf16_kernel: None) -> None:
+    packed = CpuBf16Linear(_bf16_layer(32, 16, False, 0))
+    with pytest.raises(RuntimeError, match="bfloat16 input"):
+        packed(torch.randn(2, 32))
+    with pytest.raises(RuntimeError, match="does not match"):
+        packed(torch.randn(2, 30, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="even number of inputs"):
+        torch.ops.axon_cpu.pack_linear_weight(torch.randn(4, 7, dtype=torch.bfloat16))
+
+
 def test_resolve_linear_backend() -> None:
     assert resolve_linear_backend("torch", torch.float32, CPU) == "torch"
     assert resolve_linear_backend("auto", torch.float32, torch.device("cuda")) == "torch"
@@ -95,6 +162,15 @@ def test_resolve_linear_backend() -> None:
         assert resolve_linear_backend("auto", torch.float32, CPU) == "onednn"
     with pytest.raises(ValueError, match="linear_backend 'onednn'"):
         resolve_linear_backend("onednn", torch.float32, torch.device("cuda"))
+    with pytest.raises(ValueError, match="linear_backend 'cpu_bf16'"):
+        resolve_linear_backend("cpu_bf16", torch.float32, CPU, cpu_kernels=True)
+    with pytest.raises(ValueError, match="linear_backend 'cpu_bf16'"):
+        resolve_linear_backend("cpu_bf16", torch.bfloat16, CPU, cpu_kernels=False)
+
+
+def test_resolve_auto_prefers_the_bf16_kernel(bf16_kernel: None) -> None:
+    assert resolve_linear_backend("auto", torch.bfloat16, CPU, cpu_kernels=True) == "cpu_bf16"
+    assert resolve_linear_backend("auto", torch.float32, CPU, cpu_kernels=True) != "cpu_bf16"
 
 
 class _Stacked(nn.Module):

@@ -10,7 +10,8 @@ import torch
 
 from axon.sample.logprobs import compute_logprobs, to_lists
 from axon.sample.metadata import SamplingMetadata, build_sampling_metadata
-from axon.sample.sampler import Sampler, apply_logits_processors
+from axon.platforms.cpu_kernels import load_cpu_kernels
+from axon.sample.sampler import Sampler, apply_logits_processors, argmax
 from axon.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -80,6 +81,23 @@ def test_greedy_is_argmax() -> None:
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
     assert out.logprobs is None
+
+
+def test_argmax_kernel_equals_torch_with_ties(kernel_cache_root: str) -> None:
+    if not load_cpu_kernels(kernel_cache_root):
+        pytest.skip("no C++ compiler: argmax is torch's")
+    gen = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 1), (3, 17), (16, 32000), (5, 49152)]:
+        logits = torch.randn(rows, vocab, generator=gen)
+        # Ties: the first maximum wins, as torch.argmax has it.
+        logits[0, vocab // 2 :] = logits[0].max() + 1
+        got = torch.ops.axon_cpu.argmax_rows(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+        assert torch.equal(argmax(logits), got)
+    # A row-strided view (rows picked out of a larger tensor) is read in place.
+    wide = torch.randn(4, 100, generator=gen)
+    assert torch.equal(argmax(wide[:, :60]), wide[:, :60].argmax(dim=-1))
+    assert torch.equal(argmax(wide[:, ::2]), wide[:, ::2].argmax(dim=-1))  # not contiguous: torch's
 
 
 def test_tiny_temperature_is_greedy_even_in_a_random_batch() -> None:

@@ -10,6 +10,7 @@ from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.linear import pack_linears
 from axon.model.loader.safetensors_loader import iterate_safetensors
 from axon.model.registry import resolve_model_class
+from axon.platforms import move_to_huge_pages
 
 
 def load_model(
@@ -20,8 +21,8 @@ def load_model(
     linear_backend: str = "torch",
     linear_batch_hint: int = 16,
 ) -> nn.Module:
-    """``linear_backend`` is resolved ("onednn" or "torch"); oneDNN packs each linear layer's
-    weight once, for ``linear_batch_hint`` rows (the usual decode batch)."""
+    """``linear_backend`` is resolved ("cpu_bf16", "onednn" or "torch"); the first two pack each
+    linear layer's weight once (oneDNN's for ``linear_batch_hint`` rows, the usual decode batch)."""
     hf = model_config.hf_config
     assert hf is not None and model_config.model_path is not None, "resolve_config() comes first"
     cls = resolve_model_class(hf.get("architectures"), model_config.runner)
@@ -44,8 +45,10 @@ def load_model(
         _init_dummy_weights(model, model_config.seed)
     else:
         model.load_weights(iterate_safetensors(model_config.model_path))
-    if linear_backend == "onednn":
-        pack_linears(model, linear_batch_hint)
+    if linear_backend != "torch":
+        pack_linears(model, linear_backend, linear_batch_hint)
+    if device.type == "cpu":
+        move_to_huge_pages(model)
     return model.eval()
 
 

@@ -61,9 +61,9 @@ class DecoderEmbeddingModel(nn.Module):
         # and the tails of last blocks past seq_len stay unread too).
         cache = (weight.new_empty(shape), weight.new_empty(shape))
         try:
-            for attn in layers:
-                attn.kv_cache = cache
-            with set_forward_context(metadata):
+            for i, attn in enumerate(layers):
+                attn.bind_kv_cache(i, cache)
+            with set_forward_context(metadata, layers):
                 hidden = self.model(flat_ids, positions)  # [T, hidden]
         finally:
             for attn in layers:

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 from axon.model.layers.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+from axon.model.layers.attention.cpu_flash import CpuFlashAttentionBackend
 from axon.model.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from axon.model.layers.attention.reference import ReferenceAttentionBackend
 
-_BACKENDS: dict[str, type] = {"reference": ReferenceAttentionBackend, "cpu_paged": CpuPagedAttentionBackend}
+_BACKENDS: dict[str, type] = {
+    "reference": ReferenceAttentionBackend,
+    "cpu_paged": CpuPagedAttentionBackend,
+    "cpu_flash": CpuFlashAttentionBackend,
+}
+_NEEDS_CACHE_ROOT = frozenset({"cpu_flash"})  # built kernels live under the cache root
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, cache_root: str | None = None) -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; supported: {', '.join(sorted(_BACKENDS))}")
+    if name in _NEEDS_CACHE_ROOT:
+        return _BACKENDS[name](cache_root)
     return _BACKENDS[name]()
 
 

@@ -14,7 +14,7 @@ so a request that hit blocks being filled by another request in the same step re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -28,10 +28,34 @@ class AttentionMetadata:
     seq_lens: list[int]  # [num_reqs], host side
     block_table: torch.Tensor  # [num_reqs, max_num_blocks] int64, 0 (null block) past the end
     block_size: int
+    _lengths: tuple[tuple, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+    def length_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query_start_loc, seq_lens) as int32 CPU tensors for kernels; built once per step
+        (and again if the lists are changed)."""
+        key = (tuple(self.query_start_loc), tuple(self.seq_lens))
+        if self._lengths is None or self._lengths[0] != key:
+            self._lengths = (
+                key,
+                torch.tensor(self.query_start_loc, dtype=torch.int32),
+                torch.tensor(self.seq_lens, dtype=torch.int32),
+            )
+        return self._lengths[1], self._lengths[2]
 
 
 class AttentionBackend(Protocol):
     name: str
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
+    ) -> None:
+        """Store this step's keys and values at their slots (before any query reads them)."""
+        ...
 
     def forward(
         self,

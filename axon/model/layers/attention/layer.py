@@ -1,10 +1,15 @@
-"""The attention layer, and the custom op that keeps paged attention out of compiled graphs.
+"""The attention layer, and the ops that keep paged attention out of compiled graphs.
 
 A compiled graph (one per bucket shape) holds everything of a decoder layer except paged
 attention itself: the step's metadata (block tables, ragged lengths) is host-side and changes
-every step, so tracing it would recompile every step. ``torch.ops.axon.paged_attention`` is an
-opaque op to Dynamo and Inductor: it takes only this step's q, k, v and finds its layer's KV
-cache and the step's metadata in the forward context, where the runner put them.
+every step, so tracing it would recompile every step. Attention is an opaque op to Dynamo and
+Inductor that takes only this step's q, k, v (and constants) and finds its layer's KV cache and
+the step's metadata where the runner put them:
+
+- a backend with a ``layer_op`` (``cpu_flash``) is a C++ op that reads a step set in C++ by
+  the backend's ``begin_step`` (called by ``set_forward_context``): no Python per layer;
+- any other backend runs behind ``torch.ops.axon.paged_attention``, a Python custom op that
+  finds the layer and metadata in the forward context.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 from torch import nn
 
 from axon.forward_context import get_forward_context
-from axon.model.layers.attention.backend import AttentionBackend, write_kv
+from axon.model.layers.attention.backend import AttentionBackend
 
 
 class Attention(nn.Module):
@@ -32,9 +37,16 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layer_idx = -1  # the layer's place in the model; set with its cache
+
+    def bind_kv_cache(self, layer_idx: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.layer_idx, self.kv_cache = layer_idx, kv_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, H, D]; k, v [T, KVH, D] -> [T, H, D]
+        layer_op = getattr(self.backend, "layer_op", None)
+        if layer_op is not None:
+            return layer_op(q, k, v, self.layer_idx, self.scale)
         if torch.compiler.is_compiling():
             return torch.ops.axon.paged_attention(q, k, v)
         return self.attend(q, k, v)
@@ -45,7 +57,7 @@ class Attention(nn.Module):
         if metadata.num_actual_tokens == 0:  # a compile-time forward: padding rows only
             return torch.zeros_like(q)
         k_cache, v_cache = self.kv_cache
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return self.backend.forward(q, k_cache, v_cache, metadata, self.scale)
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from axon.model.layers.attention.backend import AttentionMetadata
+from axon.model.layers.attention.backend import AttentionMetadata, write_kv
 
 
 class ReferenceAttentionBackend:
+    write_kv = staticmethod(write_kv)
     name = "reference"
 
     def forward(

@@ -1,0 +1,682 @@
+// Paged attention for the CPU: reads K/V blocks in place through the block table.
+//
+// One call attends every request of a step, whatever its query count (decodes, fresh prefills,
+// prefills over a cached prefix), so a step needs no grouping, no gather and no mask:
+//
+//   q        [num_tokens, H, D]            rows past num_actual_tokens are padding: zeros out
+//   cache    [num_blocks, block_size, KVH, D]
+//   table    [num_reqs, max_blocks] int64  block ids; 0 (the null block) past a request's end
+//   qsl      [num_reqs + 1] int32          query rows of request r: qsl[r] .. qsl[r + 1]
+//   seq_lens [num_reqs] int32              keys of request r: its cached and new tokens
+//
+// Query i of a request with n queries and L keys sits at position L - n + i and may read keys
+// 0 .. L - n + i (bottom-right causal; covers a cached prefix and a plain decode alike).
+//
+// Work items are (request, KV head, chunk of queries). The G query heads sharing a KV head are
+// rows of one item, so each key and value is widened to float32 once for all of them.
+// Accumulation is float32 for every input dtype. Two strategies:
+//
+//   few rows (decodes, short segments)  three passes: every score of the item (one row per
+//       query head and query), softmax over whole rows, then the weighted sum of values.
+//   many rows (prefill chunks)           keys in tiles of 16 with flash attention's online
+//       softmax; scores accumulate as 16-wide vectors (q[d] broadcast against a transposed K
+//       tile), four rows at a time, so a loaded K vector serves four rows.
+//
+// Both exist twice: with AVX-512 intrinsics for head dims that are multiples of 16 (the head
+// dim a template parameter, so every loop over it unrolls), and as plain loops for any other
+// machine or head dim. ``set_generic(true)`` forces the plain loops (the tests run both).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace axon_cpu {
+namespace {
+
+// Built with -ffast-math (so that plain loops vectorize std::exp): no infinities, so "no score
+// yet" is a finite number far below any real score.
+constexpr float kNoScore = -1e30f;
+constexpr int64_t kTile = 16;         // keys per tile of the many-rows path
+constexpr int64_t kQueryChunk = 32;   // queries per work item: bounds the row buffers
+constexpr int64_t kFewRows = 16;      // up to this many rows per item: the few-rows path
+constexpr int64_t kMaxHeadDim = 512;
+
+std::atomic<bool> g_force_generic{false};
+
+template <typename T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+
+// What one work item reads and writes, resolved from the step's metadata: queries
+// q_begin .. q_end of one request, for KV heads kv_head .. kv_head + num_item_heads.
+template <typename scalar_t, typename cache_t>
+struct Item {
+  const scalar_t* q;
+  scalar_t* out;
+  const cache_t* k_cache;
+  const cache_t* v_cache;
+  const int64_t* table;  // this request's block-table row
+  int64_t num_heads, group, head_dim, block_size, token_stride, block_stride;
+  int64_t kv_head, num_item_heads, first_token, first_pos, q_begin, q_end;  // first_pos: query 0's position
+  float scale;
+
+  int64_t rows_per_head() const { return (q_end - q_begin) * group; }
+  int64_t rows() const { return num_item_heads * rows_per_head(); }
+  // Rows are ordered [KV head][query][query head of the group].
+  int64_t row_query(int64_t r) const { return q_begin + r % rows_per_head() / group; }
+  int64_t row_offset(int64_t r) const {
+    const int64_t head = (kv_head + r / rows_per_head()) * group + r % group;
+    return ((first_token + row_query(r)) * num_heads + head) * head_dim;
+  }
+  int64_t last_key(int64_t r) const { return first_pos + row_query(r); }
+  int64_t num_keys() const { return first_pos + q_end; }  // the item's last query reads the most
+  // Offset of key j of the item's first KV head (the next heads follow, head_dim apart).
+  int64_t key_offset(int64_t j) const {
+    return table[j / block_size] * block_stride + (j % block_size) * token_stride + kv_head * head_dim;
+  }
+
+  // Prefetch what the item reads of block b (its KV heads of every token): the blocks of a
+  // request lie anywhere in memory, so without it each block starts with a string of misses.
+  void prefetch_block(const cache_t* cache, int64_t b) const {
+    const char* base = reinterpret_cast<const char*>(cache + table[b] * block_stride + kv_head * head_dim);
+    const int64_t bytes = num_item_heads * head_dim * static_cast<int64_t>(sizeof(cache_t));
+    const int64_t stride = token_stride * static_cast<int64_t>(sizeof(cache_t));
+    for (int64_t t = 0; t < block_size; ++t) {
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + t * stride + off, 0, 2);
+    }
+  }
+
+  // fn(j, row) for keys j = 0 .. n - 1 of ``cache`` (row: key j's first KV head of the item),
+  // block by block (no division per key), the next block prefetched while one is read.
+  template <typename Fn>
+  void for_each_key(int64_t n, const cache_t* cache, Fn&& fn) const {
+    const int64_t num_blocks = (n + block_size - 1) / block_size;
+    for (int64_t b = 0; b < std::min<int64_t>(num_blocks, 2); ++b) prefetch_block(cache, b);
+    for (int64_t b = 0, j = 0; j < n; ++b) {
+      if (b + 2 < num_blocks) prefetch_block(cache, b + 2);
+      const cache_t* row = cache + table[b] * block_stride + kv_head * head_dim;
+      const int64_t end = std::min(n, j + block_size);
+      for (; j < end; ++j, row += token_stride) fn(j, row);
+    }
+  }
+};
+
+// The many-rows path's float32 working set, carved out of one per-thread buffer.
+struct OnlineSoftmaxScratch {
+  float* qf;       // [rows, D], scaled
+  float* acc;      // [rows, D]
+  float* row_max;  // [rows]
+  float* row_sum;  // [rows]
+  float* kt;       // [D, kTile]: the K tile, transposed
+  float* vt;       // [kTile, D]
+  OnlineSoftmaxScratch(std::vector<float>& buffer, int64_t rows, int64_t D) {
+    buffer.resize(static_cast<size_t>(rows * D * 2 + rows * 2 + kTile * D * 2 + 16));
+    qf = buffer.data();
+    acc = qf + rows * D;
+    row_max = acc + rows * D;
+    row_sum = row_max + rows;
+    kt = row_sum + rows;
+    vt = kt + D * kTile;
+  }
+};
+
+template <typename scalar_t, typename cache_t>
+void load_rows(const Item<scalar_t, cache_t>& it, float* qf, float* acc) {
+  const int64_t D = it.head_dim;
+  for (int64_t r = 0; r < it.rows(); ++r) {
+    const scalar_t* src = it.q + it.row_offset(r);
+    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = widen(src[d]) * it.scale;
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
+  }
+}
+
+template <typename scalar_t, typename cache_t>
+void store_rows(const Item<scalar_t, cache_t>& it, const float* acc, const float* row_sum) {
+  const int64_t D = it.head_dim;
+  for (int64_t r = 0; r < it.rows(); ++r) {
+    scalar_t* dst = it.out + it.row_offset(r);
+    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[r * D + d] * inv);
+  }
+}
+
+// Softmax of each row's first valid scores in place (the rest zeroed); returns row sums.
+template <typename scalar_t, typename cache_t>
+void softmax_rows(const Item<scalar_t, cache_t>& it, float* scores, int64_t num_keys, float* row_sum);
+
+// ---------------------------------------------------------------------------------------------
+// Plain loops: any machine, any head dim.
+
+template <typename scalar_t, typename cache_t>
+void few_rows_generic(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
+  const int64_t D = it.head_dim, rows = it.rows(), n = it.num_keys();
+  scratch.resize(static_cast<size_t>(rows * D * 2 + rows * n + rows + D));
+  float* qf = scratch.data();         // [rows, D], scaled
+  float* acc = qf + rows * D;         // [rows, D]
+  float* scores = acc + rows * D;     // [rows, n]
+  float* row_sum = scores + rows * n; // [rows]
+  float* f = row_sum + rows;          // [D]: one key or value, widened
+  load_rows(it, qf, acc);
+  const int64_t per_head = it.rows_per_head();
+  it.for_each_key(n, it.k_cache, [&](int64_t j, const cache_t* k) {
+    for (int64_t h = 0; h < it.num_item_heads; ++h) {
+      for (int64_t d = 0; d < D; ++d) f[d] = widen(k[h * D + d]);
+      for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; ++d) s += qf[r * D + d] * f[d];
+        scores[r * n + j] = s;
+      }
+    }
+  });
+  softmax_rows(it, scores, n, row_sum);
+  it.for_each_key(n, it.v_cache, [&](int64_t j, const cache_t* v) {
+    for (int64_t h = 0; h < it.num_item_heads; ++h) {
+      for (int64_t d = 0; d < D; ++d) f[d] = widen(v[h * D + d]);
+      for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
+        const float p = scores[r * n + j];
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] += p * f[d];
+      }
+    }
+  });
+  store_rows(it, acc, row_sum);
+}
+
+template <typename scalar_t, typename cache_t>
+void many_rows_generic(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
+  const int64_t D = it.head_dim, rows = it.rows(), n = it.num_keys();
+  const OnlineSoftmaxScratch sc(scratch, rows, D);
+  float *qf = sc.qf, *acc = sc.acc, *row_max = sc.row_max, *row_sum = sc.row_sum, *kt = sc.kt, *vt = sc.vt;
+  load_rows(it, qf, acc);
+  std::fill(row_max, row_max + rows, kNoScore);
+  std::fill(row_sum, row_sum + rows, 0.0f);
+  float scores[kTile];
+  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+    const int64_t count = std::min(kTile, n - j0);
+    std::fill(kt, kt + D * kTile, 0.0f);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t off = it.key_offset(j0 + t);
+      for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = widen(it.k_cache[off + d]);
+      for (int64_t d = 0; d < D; ++d) vt[t * D + d] = widen(it.v_cache[off + d]);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t valid = std::min(count, it.last_key(r) - j0 + 1);
+      if (valid <= 0) continue;
+      for (int64_t t = 0; t < kTile; ++t) scores[t] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qf[r * D + d];
+        for (int64_t t = 0; t < kTile; ++t) scores[t] += qd * kt[d * kTile + t];
+      }
+      float tile_max = kNoScore;
+      for (int64_t t = 0; t < valid; ++t) tile_max = std::max(tile_max, scores[t]);
+      const float new_max = std::max(row_max[r], tile_max);
+      const float correction = std::exp(row_max[r] - new_max);
+      float tile_sum = 0.0f;
+      for (int64_t t = 0; t < valid; ++t) {
+        scores[t] = std::exp(scores[t] - new_max);
+        tile_sum += scores[t];
+      }
+      row_max[r] = new_max;
+      row_sum[r] = row_sum[r] * correction + tile_sum;
+      float* ar = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
+      for (int64_t t = 0; t < valid; ++t) {
+        for (int64_t d = 0; d < D; ++d) ar[d] += scores[t] * vt[t * D + d];
+      }
+    }
+  }
+  store_rows(it, acc, row_sum);
+}
+
+template <typename scalar_t, typename cache_t>
+void softmax_rows(const Item<scalar_t, cache_t>& it, float* scores, int64_t num_keys, float* row_sum) {
+  for (int64_t r = 0; r < it.rows(); ++r) {
+    float* s = scores + r * num_keys;
+    const int64_t valid = it.last_key(r) + 1;
+    float m = kNoScore;
+    for (int64_t j = 0; j < valid; ++j) m = std::max(m, s[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < valid; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    for (int64_t j = valid; j < num_keys; ++j) s[j] = 0.0f;
+    row_sum[r] = sum;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512, head dim D a multiple of 16 (NV vectors).
+
+#if defined(__AVX512F__)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x for x <= 0: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], 2^f by its Taylor series to
+// degree 7 (relative error below 2e-8 there); scalef makes 2^n and flushes huge negative n to 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <int D, typename scalar_t, typename cache_t>
+void few_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
+  constexpr int NV = D / 16;
+  const int64_t rows = it.rows(), n = it.num_keys();
+  const int64_t n_pad = (n + 15) / 16 * 16;  // score rows padded to whole vectors
+  scratch.resize(static_cast<size_t>(rows * D * 2 + rows * n_pad + rows));
+  float* qf = scratch.data();             // [rows, D], scaled
+  float* acc = qf + rows * D;             // [rows, D]
+  float* scores = acc + rows * D;         // [rows, n_pad]
+  float* row_sum = scores + rows * n_pad; // [rows]
+  load_rows(it, qf, acc);
+  const int64_t per_head = it.rows_per_head();
+  it.for_each_key(n, it.k_cache, [&](int64_t j, const cache_t* k) {
+    for (int64_t h = 0; h < it.num_item_heads; ++h) {
+      __m512 kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = load16(k + h * D + 16 * i);
+      for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
+        const float* qr = qf + r * D;
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * i), kv[i], s);
+        scores[r * n_pad + j] = _mm512_reduce_add_ps(s);
+      }
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * n_pad;
+    const int64_t valid = it.last_key(r) + 1;
+    std::fill(s + valid, s + n_pad, kNoScore);
+    __m512 m = _mm512_set1_ps(kNoScore);
+    for (int64_t j = 0; j < n_pad; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n_pad; j += 16) {
+      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), row_max));
+      _mm512_storeu_ps(s + j, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    row_sum[r] = _mm512_reduce_add_ps(sum);
+  }
+  it.for_each_key(n, it.v_cache, [&](int64_t j, const cache_t* v) {
+    for (int64_t h = 0; h < it.num_item_heads; ++h) {
+      __m512 vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = load16(v + h * D + 16 * i);
+      for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
+        const __m512 p = _mm512_set1_ps(scores[r * n_pad + j]);
+        float* ar = acc + r * D;
+        for (int i = 0; i < NV; ++i) {
+          _mm512_storeu_ps(ar + 16 * i, _mm512_fmadd_ps(p, vv[i], _mm512_loadu_ps(ar + 16 * i)));
+        }
+      }
+    }
+  });
+  store_rows(it, acc, row_sum);
+}
+
+// Scores of rows r .. r + R - 1 against the tile: R 16-wide vectors, each K vector loaded once.
+template <int D, int R>
+inline void tile_scores(const float* qf, const float* kt, __m512* s) {
+  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k = _mm512_loadu_ps(kt + d * kTile);
+    for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * D + d]), k, s[r]);
+  }
+}
+
+template <int D, typename scalar_t, typename cache_t>
+void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
+  constexpr int NV = D / 16;
+  constexpr int R = 4;  // rows per score block
+  const int64_t rows = it.rows(), n = it.num_keys();
+  const int64_t rows_pad = (rows + R - 1) / R * R;
+  const OnlineSoftmaxScratch sc(scratch, rows_pad, D);
+  float *qf = sc.qf, *acc = sc.acc, *row_max = sc.row_max, *row_sum = sc.row_sum, *kt = sc.kt, *vt = sc.vt;
+  load_rows(it, qf, acc);
+  std::fill(qf + rows * D, qf + rows_pad * D, 0.0f);
+  std::fill(row_max, row_max + rows_pad, kNoScore);
+  std::fill(row_sum, row_sum + rows_pad, 0.0f);
+  alignas(64) float p[kTile];
+  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+    const int64_t count = std::min(kTile, n - j0);
+    // Widen the tile: K transposed (kt[d][t]), V as rows; keys past count stay zero.
+    std::fill(kt, kt + D * kTile, 0.0f);
+    std::fill(vt, vt + D * kTile, 0.0f);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t off = it.key_offset(j0 + t);
+      alignas(64) float kf[D];
+      for (int i = 0; i < NV; ++i) {
+        _mm512_store_ps(kf + 16 * i, load16(it.k_cache + off + 16 * i));
+        _mm512_storeu_ps(vt + t * D + 16 * i, load16(it.v_cache + off + 16 * i));
+      }
+      for (int d = 0; d < D; ++d) kt[d * kTile + t] = kf[d];
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+      // Rows of a block are consecutive heads of at most two queries: the block is skipped
+      // only if even its last row may read none of the tile.
+      if (it.last_key(std::min(r0 + R, rows) - 1) < j0) continue;
+      __m512 s[R];
+      tile_scores<D, R>(qf + r0 * D, kt, s);
+      for (int r = 0; r < R && r0 + r < rows; ++r) {
+        const int64_t valid = std::min(count, it.last_key(r0 + r) - j0 + 1);
+        if (valid <= 0) continue;
+        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+        const __m512 sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kNoScore), s[r]);
+        const float new_max = std::max(row_max[r0 + r], _mm512_reduce_max_ps(sc));
+        const float correction = std::exp(row_max[r0 + r] - new_max);
+        const __m512 pv = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
+        row_max[r0 + r] = new_max;
+        row_sum[r0 + r] = row_sum[r0 + r] * correction + _mm512_reduce_add_ps(pv);
+        _mm512_store_ps(p, pv);
+        float* ar = acc + (r0 + r) * D;
+        __m512 a[NV];
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * i), c);
+        for (int64_t u = 0; u < valid; ++u) {
+          const __m512 pu = _mm512_set1_ps(p[u]);
+          for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pu, _mm512_loadu_ps(vt + u * D + 16 * i), a[i]);
+        }
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(ar + 16 * i, a[i]);
+      }
+    }
+  }
+  store_rows(it, acc, row_sum);
+}
+
+#endif  // __AVX512F__
+
+template <typename scalar_t, typename cache_t>
+using ItemFn = void (*)(const Item<scalar_t, cache_t>&, std::vector<float>&);
+
+// The (few rows, many rows) pair for this head dim and machine.
+template <typename scalar_t, typename cache_t>
+std::pair<ItemFn<scalar_t, cache_t>, ItemFn<scalar_t, cache_t>> kernels_for(int64_t head_dim) {
+#if defined(__AVX512F__)
+  if (!g_force_generic.load()) {
+    switch (head_dim) {
+#define AXON_HEAD_DIM(D) \
+  case D:                \
+    return {&few_rows_avx512<D, scalar_t, cache_t>, &many_rows_avx512<D, scalar_t, cache_t>};
+      AXON_HEAD_DIM(32)
+      AXON_HEAD_DIM(64)
+      AXON_HEAD_DIM(80)
+      AXON_HEAD_DIM(96)
+      AXON_HEAD_DIM(128)
+      AXON_HEAD_DIM(256)
+#undef AXON_HEAD_DIM
+      default:
+        break;
+    }
+  }
+#endif
+  return {&few_rows_generic<scalar_t, cache_t>, &many_rows_generic<scalar_t, cache_t>};
+}
+
+template <typename scalar_t, typename cache_t>
+void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
+                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+  const int64_t num_reqs = seq_lens.size(0);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  // Few-row requests (decodes, short segments) read whole tokens (every KV head at once: one
+  // contiguous run per token) when there are enough of them to keep every thread busy; else,
+  // and for prefill chunks, one item per KV head.
+  const int64_t threads = at::get_num_threads();
+  int64_t num_few = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) num_few += (qsl[r + 1] - qsl[r]) * group <= kFewRows;
+  const bool whole_tokens = num_few >= 2 * threads;
+  std::vector<Item<scalar_t, cache_t>> items;
+  auto add = [&](int64_t r, int64_t h, int64_t num_h, int64_t q0, int64_t q1) {
+    const int64_t n = qsl[r + 1] - qsl[r];
+    items.push_back({q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
+                     v_cache.data_ptr<cache_t>(), table + r * block_table.stride(0), num_heads, group, head_dim,
+                     block_size, token_stride, block_size * token_stride, h, num_h, qsl[r], lens[r] - n, q0, q1,
+                     static_cast<float>(scale)});
+  };
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t n = qsl[r + 1] - qsl[r];
+    if (n == 0) continue;
+    if (n * group <= kFewRows && whole_tokens) {
+      add(r, 0, num_kv_heads, 0, n);
+      continue;
+    }
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t b = 0; b < n; b += kQueryChunk) add(r, h, 1, b, std::min(n, b + kQueryChunk));
+    }
+  }
+  const auto [few_rows, many_rows] = kernels_for<scalar_t, cache_t>(head_dim);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      (items[i].rows_per_head() <= kFewRows ? few_rows : many_rows)(items[i], scratch);
+    }
+  });
+}
+
+void check_metadata(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                    const at::Tensor& seq_lens, int64_t num_actual_tokens) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [tokens, heads, head_dim] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [blocks, block_size, kv_heads, head_dim] tensors");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache differ in shape or dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of q (", q.size(2), ") and cache (", k_cache.size(3),
+              ") differ");
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim ", q.size(2), " exceeds ", kMaxHeadDim);
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, q.size(1), " heads are not a multiple of ", k_cache.size(2),
+              " KV heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.stride(1) == 1,
+              "block_table must be an int64 [num_reqs, max_blocks] tensor with unit column stride");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+              "query_start_loc and seq_lens must be contiguous int32 tensors");
+  const int64_t num_reqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1, "query_start_loc has ", query_start_loc.size(0),
+              " entries for ", num_reqs, " requests");
+  TORCH_CHECK(block_table.size(0) >= num_reqs, "block_table has fewer rows than requests");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_reqs] <= num_actual_tokens && num_actual_tokens <= q.size(0),
+              "query_start_loc must run from 0 to at most num_actual_tokens <= q rows");
+  const int64_t block_size = k_cache.size(1);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t n = qsl[r + 1] - qsl[r];
+    TORCH_CHECK(n >= 0 && lens[r] >= n, "request ", r, " has ", n, " queries but ", lens[r], " keys");
+    TORCH_CHECK((lens[r] + block_size - 1) / block_size <= block_table.size(1), "request ", r, " reads ",
+                lens[r], " keys; its block_table row has ", block_table.size(1), " blocks");
+  }
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                  int64_t num_actual_tokens, double scale) {
+  at::Tensor out = at::empty_like(q);
+  if (num_actual_tokens < q.size(0)) out.narrow(0, num_actual_tokens, q.size(0) - num_actual_tokens).zero_();
+  const auto qt = q.scalar_type();
+  const auto ct = k_cache.scalar_type();
+#define AXON_ATTN_CASE(QT, QC, CT, CC)                                                               \
+  if (qt == QT && ct == CT) {                                                                         \
+    run_attention<QC, CC>(q, out, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale); \
+    return out;                                                                                       \
+  }
+  AXON_ATTN_CASE(at::kFloat, float, at::kFloat, float)
+  AXON_ATTN_CASE(at::kBFloat16, c10::BFloat16, at::kBFloat16, c10::BFloat16)
+  AXON_ATTN_CASE(at::kHalf, c10::Half, at::kHalf, c10::Half)
+#undef AXON_ATTN_CASE
+  TORCH_CHECK(false, "paged_attention: unsupported dtypes q ", qt, ", cache ", ct);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, int64_t num_actual_tokens, double scale) {
+  check_metadata(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens);
+  return attend(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale);
+}
+
+template <typename src_t, typename cache_t>
+void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n) {
+  const int64_t width = src.size(1) * src.size(2);
+  const src_t* s = src.data_ptr<src_t>();
+  cache_t* c = cache.data_ptr<cache_t>();
+  const int64_t src_stride = src.stride(0);
+  for (int64_t t = 0; t < n; ++t) {
+    if (slots[t] < 0) continue;
+    const src_t* row = s + t * src_stride;
+    cache_t* dst = c + slots[t] * width;
+    for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<cache_t>(row[i]);
+  }
+}
+
+// cache[slot_mapping[t]] = k[t] (and v) for every t with slot_mapping[t] >= 0.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 &&
+                  k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "k and v must be [tokens, kv_heads, head_dim] with contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "k and v differ");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k does not match the cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous int64 tensor");
+  const int64_t n = std::min(slot_mapping.size(0), k.size(0));
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is past the cache's ", num_slots, " slots");
+  }
+  const auto st = k.scalar_type();
+  const auto ct = k_cache.scalar_type();
+#define AXON_WRITE_CASE(ST, SC, CT, CC)       \
+  if (st == ST && ct == CT) {                 \
+    write_rows<SC, CC>(k, k_cache, slots, n); \
+    write_rows<SC, CC>(v, v_cache, slots, n); \
+    return;                                   \
+  }
+  AXON_WRITE_CASE(at::kFloat, float, at::kFloat, float)
+  AXON_WRITE_CASE(at::kBFloat16, c10::BFloat16, at::kBFloat16, c10::BFloat16)
+  AXON_WRITE_CASE(at::kHalf, c10::Half, at::kHalf, c10::Half)
+#undef AXON_WRITE_CASE
+  TORCH_CHECK(false, "write_kv: unsupported dtypes k ", st, ", cache ", ct);
+}
+
+void set_generic(bool generic) { g_force_generic.store(generic); }
+
+// The step a model's attention layers run in: set once per forward by the model runner, read
+// by every layer's ``attention`` call. Per thread, so a forward on one thread never sees another
+// thread's step. Compiled graphs call ``attention`` like any other op: its arguments are this
+// layer's q, k and v and constants, so the step's ragged metadata never enters a graph.
+struct AttentionStep {
+  std::vector<at::Tensor> k_caches, v_caches;  // per layer
+  at::Tensor slot_mapping, block_table, query_start_loc, seq_lens;
+  int64_t num_actual_tokens = -1;  // -1: no step is set
+};
+thread_local AttentionStep t_step;
+
+void set_attention_step(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, int64_t num_actual_tokens) {
+  TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size(), "one k and one v cache per layer");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1,
+              "slot_mapping must be a contiguous int64 vector");
+  const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is past the cache's ", num_slots, " slots");
+  }
+  for (size_t i = 0; i < k_caches.size(); ++i) {
+    TORCH_CHECK(k_caches[i].sizes() == k_caches[0].sizes() && v_caches[i].sizes() == k_caches[0].sizes(),
+                "every layer's caches must have one shape");
+  }
+  // Checked here once for the step; q's shape is checked per layer.
+  const at::Tensor q_like = at::empty({num_actual_tokens, k_caches[0].size(2), k_caches[0].size(3)},
+                                      k_caches[0].options());
+  check_metadata(q_like, k_caches[0], v_caches[0], block_table, query_start_loc, seq_lens, num_actual_tokens);
+  t_step = AttentionStep{k_caches.vec(), v_caches.vec(), slot_mapping, block_table, query_start_loc, seq_lens,
+                         num_actual_tokens};
+}
+
+void clear_attention_step() { t_step = AttentionStep{}; }
+
+// One layer of the step: write this step's k, v at their slots, then attend (padding rows 0).
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale) {
+  const AttentionStep& step = t_step;
+  TORCH_CHECK(step.num_actual_tokens >= 0, "axon_cpu::attention called with no step set");
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(step.k_caches.size()), "layer ", layer,
+              " of a step with ", step.k_caches.size(), " layers");
+  if (step.num_actual_tokens == 0) return at::zeros_like(q);  // a compile-time forward: padding only
+  const at::Tensor& k_cache = step.k_caches[layer];
+  const at::Tensor& v_cache = step.v_caches[layer];
+  TORCH_CHECK(q.dim() == 3 && q.size(0) >= step.num_actual_tokens && q.size(2) == k_cache.size(3) &&
+                  q.size(1) % k_cache.size(2) == 0,
+              "q of shape ", q.sizes(), " does not fit the step's caches ", k_cache.sizes());
+  write_kv(k, v, k_cache, v_cache, step.slot_mapping);
+  return attend(q.contiguous(), k_cache, v_cache, step.block_table, step.query_start_loc, step.seq_lens,
+                step.num_actual_tokens, scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(axon_cpu, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, float scale) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("set_generic(bool generic) -> ()");
+  m.def(
+      "set_attention_step(Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
+      "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens) -> ()");
+  m.def("clear_attention_step() -> ()");
+  m.def("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+  m.impl("set_attention_step", &set_attention_step);
+  m.impl("attention", &attention);
+}
+
+TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {
+  m.impl("set_generic", &set_generic);
+  m.impl("clear_attention_step", &clear_attention_step);
+}
+
+}  // namespace axon_cpu

@@ -1,0 +1,88 @@
+"""Paged attention in C++ for the CPU (``axon/csrc/cpu_attention.cpp``).
+
+One kernel call per layer attends every request of a step, decodes and prefill segments
+alike, reading K/V blocks in place through the block table: no gather, no mask, no grouping.
+Each (request, KV head) is a work item whose rows are the query heads sharing that KV head, so
+every K/V tile is read once for all of them; keys go by in tiles with flash attention's online
+softmax, accumulated in float32. It needs the kernels built by ``axon.platforms.cpu_kernels``;
+``attention_backend="auto"`` falls back to ``cpu_paged`` where they cannot be built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from axon.config import default_cache_root
+from axon.model.layers.attention.backend import AttentionMetadata
+from axon.platforms.cpu_kernels import load_cpu_kernels
+
+if TYPE_CHECKING:
+    from axon.model.layers.attention.layer import Attention
+
+
+class CpuFlashAttentionBackend:
+    name = "cpu_flash"
+
+    def __init__(self, cache_root: str | None = None) -> None:
+        if not load_cpu_kernels(cache_root or default_cache_root()):
+            raise ValueError(
+                "attention_backend 'cpu_flash' needs axon's C++ CPU kernels, which could not be built "
+                "here (see the warning above); use 'cpu_paged'"
+            )
+
+    @staticmethod
+    def layer_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+        """One layer of the step set by ``begin_step``: write k, v, attend. [T, H, D] out."""
+        return torch.ops.axon_cpu.attention(q, k, v, layer_idx, scale)
+
+    def begin_step(self, metadata: AttentionMetadata, layers: Sequence[Attention]) -> None:
+        """Hand the step's metadata and every layer's cache to the kernels (once per forward)."""
+        query_start_loc, seq_lens = metadata.length_tensors()
+        caches = [layer.kv_cache for layer in layers]
+        assert all(c is not None for c in caches), "KV cache not bound to every attention layer"
+        torch.ops.axon_cpu.set_attention_step(
+            [c[0] for c in caches],
+            [c[1] for c in caches],
+            metadata.slot_mapping,
+            metadata.block_table,
+            query_start_loc,
+            seq_lens,
+            metadata.num_actual_tokens,
+        )
+
+    @staticmethod
+    def end_step() -> None:
+        torch.ops.axon_cpu.clear_attention_step()
+
+    @staticmethod
+    def write_kv(
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
+    ) -> None:
+        torch.ops.axon_cpu.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], num_tokens >= num_actual_tokens
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zeros
+        query_start_loc, seq_lens = metadata.length_tensors()
+        return torch.ops.axon_cpu.paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            metadata.block_table,
+            query_start_loc,
+            seq_lens,
+            metadata.num_actual_tokens,
+            scale,
+        )

@@ -1,0 +1,168 @@
+"""axon's C++ CPU kernels (``axon/csrc/*.cpp``): built on first use, cached, loaded as torch ops.
+
+The sources are compiled with the machine's C++ compiler for this very CPU (``-march=native``)
+into ``<cache_root>/kernels/<key>/axon_cpu.so``, where the key hashes the sources, the compiler,
+the flags, torch's version and the CPU's feature flags: a second start loads the library in
+milliseconds, and a cache copied to another kind of CPU is rebuilt rather than run. The build
+writes to a temporary name and renames, so concurrent starts never load a half-written file.
+
+Loading registers ``torch.ops.axon_cpu.*``. Where no compiler is found or the build fails, the
+caller falls back to pure-torch code (``load_cpu_kernels`` returns False and logs why).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+LIBRARY_NAME = "axon_cpu.so"
+_lock = threading.Lock()
+_loaded_path: str | None = None  # the library this process loaded
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _flags() -> list[str]:
+    torch_dir = os.path.dirname(torch.__file__)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        "-O3",
+        "-march=native",
+        # Fast math vectorizes exp (glibc's vector math); the kernels use no infinities or NaNs.
+        "-ffast-math",
+        "-fopenmp",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{os.path.join(torch_dir, 'include')}",
+        f"-I{os.path.join(torch_dir, 'include', 'torch', 'csrc', 'api', 'include')}",
+        f"-L{os.path.join(torch_dir, 'lib')}",
+        f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
+def _sources() -> list[str]:
+    return sorted(os.path.join(SOURCE_DIR, f) for f in os.listdir(SOURCE_DIR) if f.endswith(".cpp"))
+
+
+@functools.cache
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler_version(compiler: str) -> str:
+    out = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.splitlines()[0] if out.stdout else compiler
+
+
+def build_key(compiler: str) -> str:
+    h = hashlib.sha256()
+    for path in _sources():
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + b"\0" + f.read())
+    for part in (
+        _compiler_version(compiler),
+        " ".join(_flags()),
+        torch.__version__,
+        _cpu_flags(),
+        sysconfig.get_platform(),
+    ):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def library_path(cache_root: str) -> str | None:
+    """Where the library for this machine lives (built now if missing); None without a compiler."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    folder = os.path.join(cache_root, "kernels", build_key(compiler))
+    path = os.path.join(folder, LIBRARY_NAME)
+    if not os.path.isfile(path):
+        _build(compiler, folder, path)
+    return path
+
+
+def _build(compiler: str, folder: str, path: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    cmd = [compiler, *_sources(), "-o", tmp, *_flags()]
+    logger.info("building axon's CPU kernels (once per machine and version)")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_cpu_kernels(cache_root: str) -> bool:
+    """Build (if needed) and load the kernels; True when ``torch.ops.axon_cpu`` is usable."""
+    global _loaded_path
+    with _lock:
+        if _loaded_path is not None:
+            return True
+        try:
+            path = library_path(cache_root)
+        except (OSError, RuntimeError) as e:
+            logger.warning("axon's CPU kernels could not be built; using pure-torch kernels: %s", e)
+            return False
+        if path is None:
+            logger.warning("no C++ compiler found (g++, c++, clang++ or $CXX); using pure-torch kernels")
+            return False
+        torch.ops.load_library(path)
+        _register_fakes()
+        _loaded_path = path
+        return True
+
+
+def cpu_kernels_loaded() -> bool:
+    """Whether this process has loaded the kernels (``load_cpu_kernels`` succeeded)."""
+    return _loaded_path is not None
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops' outputs, for tracing them into compiled graphs."""
+
+    @torch.library.register_fake("axon_cpu::packed_linear")
+    def _(x, packed, N, bias, float_out):  # noqa: ANN001, ANN202 (the op's schema types them)
+        return x.new_empty(*x.shape[:-1], N, dtype=torch.float32 if float_out else x.dtype)
+
+    @torch.library.register_fake("axon_cpu::attention")
+    def _(q, k, v, layer, scale):  # noqa: ANN001, ANN202
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("axon_cpu::paged_attention")
+    def _(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale):  # noqa: ANN001, ANN202
+        return torch.empty_like(q)
