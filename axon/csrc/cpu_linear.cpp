@@ -81,20 +81,24 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 
 #if defined(__AVX512BF16__)
 
-// Rows m0 .. m0 + MB - 1 times one panel: acc[m][b] = 16 columns of block b. ``next``, on the
-// first pass over a panel, is the thread's next panel: fetched into L2 step by step, so memory
-// streams it while this panel's further row passes compute from L2 (for four or more rows the
-// passes take longer than the fetch); else nullptr.
+// Rows m0 .. m0 + MB - 1 times one panel: acc[m][b] = 16 columns of block b. ``next`` is the
+// thread's next panel (or nullptr): pass ``pass`` of the ``passes`` row passes over this panel
+// fetches its share of it into L2, spread over the pass, so memory streams the next panel while
+// every pass computes (fetching it all in the first pass left the later passes' compute and the
+// memory stream one after the other: 16 rows took as long as one row's read plus 16 rows'
+// arithmetic).
 template <int MB>
 inline void panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, const uint16_t* next,
-                       __m512 (&acc)[4][4]) {
+                       int64_t pass, int64_t passes, __m512 (&acc)[4][4]) {
+  const int64_t share = (K2 + passes - 1) / passes;  // next-panel steps this pass fetches
+  const int64_t first = pass * share, last = std::min(K2, first + share);
   for (int m = 0; m < MB; ++m) {
     for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
   }
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     const uint16_t* step = panel + k2 * kStepElems;
-    if (next != nullptr) {
-      const char* p = reinterpret_cast<const char*>(next + k2 * kStepElems);
+    if (next != nullptr && k2 % passes == 0 && first + k2 / passes < last) {
+      const char* p = reinterpret_cast<const char*>(next + (first + k2 / passes) * kStepElems);
       for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
     }
     __m512bh w[4];
@@ -144,15 +148,17 @@ void run_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed,
     for (int64_t g = begin; g < end; ++g) {
       const uint16_t* panel = packed + g * K2 * kStepElems;
       const uint16_t* next = g + 1 < end ? panel + K2 * kStepElems : nullptr;
-      for (int64_t m0 = chunk; m0 < std::min(M, chunk + kRowChunk); m0 += kRowsPerPass) {
+      const int64_t chunk_end = std::min(M, chunk + kRowChunk);
+      const int64_t passes = (chunk_end - chunk + kRowsPerPass - 1) / kRowsPerPass;
+      for (int64_t m0 = chunk; m0 < chunk_end; m0 += kRowsPerPass) {
         const uint16_t* xm = x + m0 * K;
         out_t* ym = y + m0 * N;
-        const uint16_t* pf = m0 == chunk ? next : nullptr;
+        const int64_t pass = (m0 - chunk) / kRowsPerPass;
         switch (std::min<int64_t>(kRowsPerPass, M - m0)) {
-          case 4: panel_rows<4>(xm, K, panel, K2, pf, acc); store_rows<4>(acc, ym, N, g * kGroupCols, N, bias); break;
-          case 3: panel_rows<3>(xm, K, panel, K2, pf, acc); store_rows<3>(acc, ym, N, g * kGroupCols, N, bias); break;
-          case 2: panel_rows<2>(xm, K, panel, K2, pf, acc); store_rows<2>(acc, ym, N, g * kGroupCols, N, bias); break;
-          default: panel_rows<1>(xm, K, panel, K2, pf, acc); store_rows<1>(acc, ym, N, g * kGroupCols, N, bias); break;
+          case 4: panel_rows<4>(xm, K, panel, K2, next, pass, passes, acc); store_rows<4>(acc, ym, N, g * kGroupCols, N, bias); break;
+          case 3: panel_rows<3>(xm, K, panel, K2, next, pass, passes, acc); store_rows<3>(acc, ym, N, g * kGroupCols, N, bias); break;
+          case 2: panel_rows<2>(xm, K, panel, K2, next, pass, passes, acc); store_rows<2>(acc, ym, N, g * kGroupCols, N, bias); break;
+          default: panel_rows<1>(xm, K, panel, K2, next, pass, passes, acc); store_rows<1>(acc, ym, N, g * kGroupCols, N, bias); break;
         }
       }
     }

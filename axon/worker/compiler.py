@@ -18,7 +18,9 @@ Two policies (``bucket_compile``):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -98,7 +100,7 @@ class BucketCompiler:
         on_demand the bucket is remembered for the next ``compile_pending``."""
         if num_tokens in self._ready:
             self.stats.graph_steps += 1
-            return self._compiled
+            return self._run_ready
         if num_tokens not in self.token_sizes:
             raise ValueError(f"{num_tokens} tokens is not a bucket; buckets: {list(self.token_sizes)}")
         if (
@@ -108,6 +110,18 @@ class BucketCompiler:
         ):
             self._pending.append(num_tokens)
         return None
+
+    def _run_ready(self, *args: torch.Tensor) -> torch.Tensor:
+        """A compiled bucket's graph, checking only the guards that tell the graphs apart.
+
+        Dynamo's full guard check (every parameter's dtype, shape and strides, every global the
+        trace read) cost 0.4 ms a step on an 8-layer model and 1.3 ms on a 30-layer one, 3-4%
+        of a decode step. Nothing those guards watch changes after start-up (weights, caches
+        and modules are fixed; the graphs differ only by token count), and this is called only
+        for token counts already compiled, so no call can need a new graph.
+        """
+        with _skip_guard_eval():
+            return self._compiled(*args)
 
     @property
     def has_pending(self) -> bool:
@@ -164,6 +178,16 @@ class BucketCompiler:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         with set_forward_context(metadata, self.attention_layers):
             self._compiled(ids, ids.clone())
+
+
+_HAS_SKIP_GUARD_EVAL = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
+
+
+def _skip_guard_eval() -> contextlib.AbstractContextManager:
+    # torch >= 2.6 has the stance; older torch checks every guard.
+    if _HAS_SKIP_GUARD_EVAL:
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
 
 
 def _configure_torch_compile(cache_dir: str, num_graphs: int) -> None:
