@@ -56,6 +56,10 @@ class SchedulerConfig:
     # Holdback admission: admit only while the running set fits at max_model_len each, so that
     # decodes never preempt each other. Off: vLLM's optimistic admission (preemption may occur).
     admission_kv_limit: bool = True
+    # Schedule step N+1 while step N runs (vLLM's --async-scheduling): each running request is
+    # scheduled ahead with a placeholder for the token step N is sampling. None: on where it
+    # helps: CUDA yes, the CPU no (axon/engine/core.py); structured-output steps run in sync.
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)

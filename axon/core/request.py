@@ -55,7 +55,13 @@ _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_IGNORED,
     },
-    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.PREEMPTED: {
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_ABORTED,
+        # Async scheduling: preempted while its last token was in flight.
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+    },
     RequestStatus.RUNNING: {
         RequestStatus.PREEMPTED,
         RequestStatus.FINISHED_STOPPED,
@@ -88,6 +94,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens being sampled by a step in flight, already counted in
+        # num_computed_tokens for the step scheduled after it, not known yet.
+        self.num_output_placeholders = 0
         # Prompt tokens found in the prefix cache when first scheduled (vLLM's num_cached_tokens).
         self.num_cached_tokens = -1
         self.num_preemptions = 0

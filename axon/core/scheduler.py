@@ -9,6 +9,14 @@ Each step spends a budget of ``max_num_batched_tokens``:
      (so decodes never preempt each other into a livelock). The first refusal stops
      admission, which keeps the order fair.
 No phases: a prompt longer than the budget is simply prefilled over several steps.
+
+Async scheduling: the engine may schedule step N+1 before step N's sampled tokens are known.
+Every request that samples in a step carries a placeholder for that token
+(``num_output_placeholders``) until ``update_from_output`` brings it, and is scheduled one token
+past it; the worker, which runs the steps in order, already holds the token when step N+1
+starts (synchronous steps settle each placeholder before the next schedule). A request whose
+in-flight token ends it by length is not scheduled ahead; one that an in-flight token ends
+otherwise (EOS, a stop token) wastes one row of step N+1, which nobody sees.
 """
 
 from __future__ import annotations
@@ -102,6 +110,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar)
 
     # ---- the step --------------------------------------------------------------------------
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are known: not while
+        a grammar needs each token before it can mask the next."""
+        return not self.waiting_for_grammar and not any(
+            r.structured_output_request is not None for r in (*self.running, *self.waiting)
+        )
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -115,7 +130,10 @@ class Scheduler:
             self._admit_waiting(budget, num_scheduled, new_reqs)
 
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # it samples this step; update_from_output settles it
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -134,7 +152,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            pending = req.num_output_placeholders
+            if pending and (
+                req.num_output_tokens + pending >= req.max_tokens
+                or req.num_tokens + pending >= self.max_model_len
+            ):
+                i += 1  # its in-flight token is its last
+                continue
+            n = min(req.num_tokens + pending - req.num_computed_tokens, budget)
             assert n > 0, f"running request {req.req_id} has nothing to compute"
             new_blocks = self.kv_cache_manager.allocate_slots(req, n)
             while new_blocks is None:
@@ -157,6 +182,8 @@ class Scheduler:
     ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted with a token in flight: resumable once it arrives
             hit_blocks, num_hit_tokens = [], 0
             if req.sampling_params.prompt_logprobs is None:  # prompt logprobs need every position
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
@@ -200,10 +227,15 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         for idx, req_id in enumerate(runner_output.req_ids):
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            sampled = runner_output.sampled_token_ids[idx]
+            if req is not None and sampled and req.num_output_placeholders:
+                req.num_output_placeholders -= len(sampled)
+            elif req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if req is None or req.is_finished():
+                continue  # a step scheduled ahead ran it past its end
             new_token_ids = []
-            for token_id in runner_output.sampled_token_ids[idx]:
+            for token_id in sampled:
                 req.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(req) or self._check_grammar(req):
@@ -224,7 +256,8 @@ class Scheduler:
                 )
             )
             if req.is_finished():
-                self.running.remove(req)
+                # Running, or preempted by a step scheduled ahead while its token was in flight.
+                (self.running if req in self.running else self.waiting).remove(req)
                 self._free(req)
         return outputs
 

@@ -750,3 +750,147 @@ def test_random_workload_keeps_invariants(seed: int, block_size: int, admission_
         assert sched.num_preemptions == 0
     else:
         assert sched.num_preemptions > 0
+
+
+# ---------------------------------------------------------------- 10. async scheduling
+
+
+class PipelinedDriver:
+    """The engine's async loop with a fake model: step N+1 is scheduled before step N's tokens
+    are applied; a step's tokens are fixed when it is scheduled (as the worker, running the
+    steps in order, samples them), by ``random_token`` of the sampled position."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self.streamed: dict[str, list[int]] = {}
+        self.finish: dict[str, str | None] = {}
+        self.num_ahead = 0
+
+    def _launch(self) -> tuple[SchedulerOutput, ModelRunnerOutput] | None:
+        sched = self.scheduler
+        placeholders = {r.req_id: r.num_output_placeholders for r in sched.requests.values()}
+        out = sched.schedule()
+        if out.is_empty:
+            sched.finished_req_ids |= out.finished_req_ids
+            return None
+        sampled = []
+        for req_id in out.num_scheduled_tokens:
+            req = sched.requests[req_id]
+            samples = req.num_output_placeholders > placeholders.get(req_id, 0)
+            sampled.append([random_token(req_id, req.num_computed_tokens)] if samples else [])
+        return out, ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+
+    def step(self) -> None:
+        sched = self.scheduler
+        if self.in_flight is None:
+            self.in_flight = self._launch()
+            assert self.in_flight is not None, "no progress with unfinished requests"
+        current, self.in_flight = self.in_flight, None
+        if sched.has_unfinished_requests():
+            self.in_flight = self._launch()
+            self.num_ahead += self.in_flight is not None
+        for out in sched.update_from_output(*current):
+            assert out.req_id not in self.finish, f"{out.req_id} reported after it finished"
+            self.streamed.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.finished:
+                self.finish[out.req_id] = out.finish_reason
+        sched.kv_cache_manager.check_integrity()
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+
+
+def random_requests(rng: random.Random, n: int, block_size: int) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        max_tokens = rng.randint(1, 20)
+        reqs.append(
+            make_request(
+                f"r{i}",
+                [rng.randrange(60, 90) for _ in range(rng.randint(1, 3 * block_size + 2))],
+                max_tokens=max_tokens,
+                ignore_eos=rng.random() < 0.5,
+                min_tokens=min(rng.choice([0, 0, 2]), max_tokens),
+                block_size=block_size,
+            )
+        )
+    return reqs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("admission_kv_limit", [True, False], ids=["holdback", "optimistic"])
+def test_async_scheduling_streams_what_sync_streams(seed: int, admission_kv_limit: bool) -> None:
+    # Random prompts, lengths, EOS stops, min_tokens, segmented prefills and (optimistic, on a
+    # tiny pool) preemption of requests whose token is in flight: the same tokens and finish
+    # reasons as one step at a time, and every block back in the pool.
+    block_size = 4
+
+    def scheduler() -> Scheduler:
+        return make_scheduler(
+            num_blocks=1 + (20 if admission_kv_limit else 9),
+            block_size=block_size,
+            max_model_len=6 * block_size,
+            max_num_seqs=5,
+            max_num_batched_tokens=2 * block_size + 3,
+            admission_kv_limit=admission_kv_limit,
+        )
+
+    sync_sched = scheduler()
+    sync = Driver(sync_sched, token_fn=lambda r: random_token(r.req_id, r.num_tokens))
+    pipelined = PipelinedDriver(scheduler())
+    arrivals = random_requests(random.Random(seed), 30, block_size)
+    twins = random_requests(random.Random(seed), 30, block_size)
+    rng = random.Random(seed + 100)
+    schedule = [rng.randint(0, 2) for _ in arrivals]  # steps between arrivals
+    for reqs, drive, busy in (
+        (arrivals, sync.step, sync_sched.has_unfinished_requests),
+        (twins, pipelined.step, pipelined.busy),
+    ):
+        for req, wait in zip(reqs, schedule, strict=True):
+            drive.__self__.scheduler.add_request(req)
+            for _ in range(wait):
+                if busy():
+                    drive()
+        for _ in range(3000):
+            if not busy():
+                break
+            drive()
+        assert not busy(), "the workload does not drain"
+    assert pipelined.streamed == sync.streamed
+    assert pipelined.finish == {k: v[0] for k, v in sync.finish.items()}
+    assert pipelined.num_ahead > 0, "no step was scheduled ahead"
+    if not admission_kv_limit:
+        assert pipelined.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    for s in (sync_sched, pipelined.scheduler):
+        assert s.kv_cache_manager.usage == 0.0
+    # One step at a time, every placeholder is settled before the next schedule.
+    assert all(r.num_output_placeholders == 0 for r in arrivals)
+
+
+def test_in_flight_last_token_is_not_scheduled_ahead() -> None:
+    sched = make_scheduler()
+    req = make_request("a", prompt(5, 100), max_tokens=2)
+    sched.add_request(req)
+    first = sched.schedule()  # the prefill, sampling token 1 of 2
+    assert first.num_scheduled_tokens == {"a": 5} and req.num_output_placeholders == 1
+    ahead = sched.schedule()  # token 2 is sampled from the (unknown) token 1
+    assert ahead.num_scheduled_tokens == {"a": 1} and req.num_output_placeholders == 2
+    assert sched.schedule().is_empty  # token 2 is the last: nothing to schedule past it
+    sched.update_from_output(first, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7]]))
+    outputs = sched.update_from_output(ahead, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[8]]))
+    assert req.output_token_ids == [7, 8] and outputs[0].finish_reason == "length"
+    assert not sched.has_unfinished_requests() and sched.kv_cache_manager.usage == 0.0
+
+
+def test_grammar_requests_are_not_scheduled_ahead() -> None:
+    sched = make_scheduler()
+    plain = make_request("a", prompt(3, 100))
+    sched.add_request(plain)
+    assert sched.can_schedule_ahead()
+    constrained = make_request("b", prompt(3, 200))
+    constrained.structured_output_request = object()  # the grammar masks each token from the last
+    sched.add_request(constrained)
+    assert not sched.can_schedule_ahead()
+    sched.schedule()
+    assert not sched.can_schedule_ahead()  # running now
