@@ -119,7 +119,10 @@ class ObservabilityConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda
-    num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    num_threads: int | None = None  # CPU intra-op threads; None: one per CPU of omp_threads_bind
+    # CPUs the intra-op threads are pinned to, one each (vLLM's VLLM_CPU_OMP_THREADS_BIND, which
+    # is read when this is None): auto (physical cores), all, nobind, or a list like "0-3,8".
+    omp_threads_bind: str | None = None
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,11 @@ class EngineCore:
         self.block_hasher = make_block_hasher(config.cache_config.block_size)
         self.async_scheduling = resolve_async_scheduling(config)
         # Async scheduling: the one thread every forward runs on, and the step in flight.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="axon-step") if self.async_scheduling else None
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="axon-step", initializer=self.executor.init_thread)
+            if self.async_scheduling
+            else None
+        )
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.executor.compile_or_warm_up_model()
         self.startup_time_s = time.perf_counter() - t0

@@ -19,20 +19,19 @@ from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
 from axon.model.pooler import PoolerConfig, pool
 from axon.platforms import resolve_device, resolve_dtype
-from axon.platforms.cpu_kernels import load_cpu_kernels
+from axon.platforms.cpu_threads import init_cpu_process
 
 
 class PoolingRunner:
     def __init__(self, config: AxonConfig, pooler_config: PoolerConfig) -> None:
         self.device = resolve_device(config.device_config.device)
         self.dtype = resolve_dtype(config.model_config.dtype, self.device)
-        if config.device_config.num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(config.device_config.num_threads)
-        # Encoders ignore the backend; a decoder's attention layers run on it (as the worker's do).
-        backend = get_attention_backend("reference")
         cache_root = config.model_config.cache_root
         assert cache_root is not None, "resolve_config() sets cache_root"
-        cpu_kernels = self.device.type == "cpu" and load_cpu_kernels(cache_root)
+        d = config.device_config
+        cpu_kernels, _ = init_cpu_process(self.device, cache_root, d.num_threads, d.omp_threads_bind)
+        # Encoders ignore the backend; a decoder's attention layers run on it (as the worker's do).
+        backend = get_attention_backend("reference")
         linear = resolve_linear_backend(
             config.compilation_config.linear_backend, self.dtype, self.device, cpu_kernels
         )

@@ -16,7 +16,8 @@ from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
 from axon.platforms import available_memory_bytes, huge_page_zeros, resolve_device, resolve_dtype
-from axon.platforms.cpu_kernels import load_cpu_kernels
+from axon.platforms.cpu_kernels import cpu_kernels_loaded
+from axon.platforms.cpu_threads import configure_cpu_threads, init_cpu_process
 from axon.worker.buckets import resolve_buckets
 from axon.worker.compiler import BucketCompiler, compile_cache_key
 from axon.worker.model_runner import ModelRunner
@@ -32,12 +33,11 @@ class Worker:
         self.config = config
         self.device = resolve_device(config.device_config.device)
         self.dtype = resolve_dtype(config.model_config.dtype, self.device)
-        if config.device_config.num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(config.device_config.num_threads)
         t0 = time.perf_counter()
         cache_root = config.model_config.cache_root
         assert cache_root is not None, "resolve_config() sets cache_root"
-        cpu_kernels = self.device.type == "cpu" and load_cpu_kernels(cache_root)
+        d = config.device_config
+        cpu_kernels, self.thread_cpus = init_cpu_process(self.device, cache_root, d.num_threads, d.omp_threads_bind)
         self.attention_backend = _attention_backend_name(
             config.compilation_config.attention_backend, self.device, cpu_kernels
         )
@@ -152,6 +152,12 @@ class Worker:
             self.config.cache_config.block_size,
             num_blocks * self.bytes_per_block() / _GIB,
         )
+
+    def init_thread(self) -> None:
+        """Set up intra-op threads for another calling thread (async scheduling's step thread)."""
+        if self.device.type == "cpu":
+            d = self.config.device_config
+            configure_cpu_threads(self.thread_cpus, d.num_threads, cpu_kernels_loaded())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
