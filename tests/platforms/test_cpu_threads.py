@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from axon.platforms.cpu_kernels import load_cpu_kernels
 from axon.platforms.cpu_threads import parse_cpu_list, thread_cpus
 
 
@@ -39,6 +40,8 @@ def test_thread_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bind_threads_pins_all_but_the_caller(kernel_cache_root: str) -> None:
+    if not load_cpu_kernels(kernel_cache_root):
+        pytest.skip("no C++ compiler")
     # In a child process: pinning is process state this test process should not keep.
     code = f"""
 import os, sys, threading, torch
