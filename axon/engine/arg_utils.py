@@ -17,9 +17,11 @@ from axon.model.registry import can_pool, is_pooling_model, resolve_model_class
 from axon.worker.buckets import resolve_buckets
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# Embedding batches run whole (no decode steps to interleave); on CPU, fewer and larger batches
-# were ~10% faster on all-MiniLM-L6-v2 (benchmarks/embeddings.py: 2048 -> 16384 tokens).
-DEFAULT_POOLING_MAX_NUM_BATCHED_TOKENS = 16384
+# Embedding batches run whole (no decode steps to interleave). all-MiniLM-L6-v2, float32, on an
+# idle 2-core Zen 4 (benchmarks/embeddings.py): 2,048 padded tokens a batch 200-202 emb/s,
+# 1,024 202, 4,096 189, 16,384 155 (a batch's activations stay in cache); on a loaded 2-core
+# AVX2 machine 16,384 had measured faster (fewer thread barriers). A longer prompt runs alone.
+DEFAULT_POOLING_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def create_engine_config(**kwargs: Any) -> AxonConfig:
