@@ -231,9 +231,7 @@ class Scheduler:
             if req is not None and sampled and req.num_output_placeholders:
                 req.num_output_placeholders -= len(sampled)
             elif req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            if req is None or req.is_finished():
-                continue  # a step scheduled ahead ran it past its end
+                continue  # aborted (or finished by an earlier step) or preempted while the step ran
             new_token_ids = []
             for token_id in sampled:
                 req.append_output_token_ids(token_id)

@@ -658,7 +658,6 @@ TORCH_LIBRARY(axon_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, float scale) -> Tensor");
-  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("set_generic(bool generic) -> ()");
   m.def(
       "set_attention_step(Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
@@ -669,7 +668,6 @@ TORCH_LIBRARY(axon_cpu, m) {
 
 TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
-  m.impl("write_kv", &write_kv);
   m.impl("set_attention_step", &set_attention_step);
   m.impl("attention", &attention);
 }

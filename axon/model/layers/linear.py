@@ -30,9 +30,6 @@ _layers: dict[int, weakref.ReferenceType[PackedLinear]] = {}
 _handles = itertools.count()
 
 
-LINEAR_BACKENDS_RESOLVED = ("cpu_bf16", "onednn", "torch")
-
-
 def cpu_bf16_linear_supported(dtype: torch.dtype, device: torch.device, cpu_kernels: bool) -> bool:
     """axon's kernel: bfloat16 on a CPU with AVX-512 BF16, once the kernels are loaded."""
     return (

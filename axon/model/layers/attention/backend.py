@@ -46,17 +46,6 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def write_kv(
-        self,
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
-    ) -> None:
-        """Store this step's keys and values at their slots (before any query reads them)."""
-        ...
-
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -57,16 +57,6 @@ class CpuFlashAttentionBackend:
     def end_step() -> None:
         torch.ops.axon_cpu.clear_attention_step()
 
-    @staticmethod
-    def write_kv(
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
-    ) -> None:
-        torch.ops.axon_cpu.write_kv(k, v, k_cache, v_cache, slot_mapping)
-
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], num_tokens >= num_actual_tokens

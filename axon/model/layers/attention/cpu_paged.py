@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from axon.model.layers.attention.backend import AttentionMetadata, write_kv
+from axon.model.layers.attention.backend import AttentionMetadata
 
 
 @dataclass
@@ -73,7 +73,6 @@ class _Plan:
 
 
 class CpuPagedAttentionBackend:
-    write_kv = staticmethod(write_kv)
     name = "cpu_paged"
 
     def __init__(self) -> None:

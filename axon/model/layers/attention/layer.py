@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from axon.forward_context import get_forward_context
-from axon.model.layers.attention.backend import AttentionBackend
+from axon.model.layers.attention.backend import AttentionBackend, write_kv
 
 
 class Attention(nn.Module):
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         if metadata.num_actual_tokens == 0:  # a compile-time forward: padding rows only
             return torch.zeros_like(q)
         k_cache, v_cache = self.kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         return self.backend.forward(q, k_cache, v_cache, metadata, self.scale)
 
 

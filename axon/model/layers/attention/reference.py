@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from axon.model.layers.attention.backend import AttentionMetadata, write_kv
+from axon.model.layers.attention.backend import AttentionMetadata
 
 
 class ReferenceAttentionBackend:
-    write_kv = staticmethod(write_kv)
     name = "reference"
 
     def forward(
