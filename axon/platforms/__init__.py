@@ -53,6 +53,34 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def cuda_kv_budget_bytes(device: torch.device, utilization: float) -> int:
+    """Bytes of KV cache an engine on ``device`` may allocate now, weights already loaded.
+
+    vLLM's meaning of ``gpu_memory_utilization``: the share of the device's total memory this
+    engine may use, weights and KV together, so what is in use already (its weights, other
+    engines, other processes) comes out of that share. Read as a share of *free* memory, a second
+    engine on the same device (a test process and the server it starts, say) would take most of
+    what the first left. Allocations after start-up (activations, compile workspace) live in the
+    remaining ``1 - utilization``.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    return kv_budget_within_share(free, total, utilization)
+
+
+def kv_budget_within_share(free: int, total: int, utilization: float) -> int:
+    """``utilization * total`` less what is in use (``total - free``); raises if nothing is left."""
+    budget = int(utilization * total) - (total - free)
+    if budget <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} allows {utilization * total / gib:.1f} GiB of the "
+            f"device's {total / gib:.1f} GiB, but {(total - free) / gib:.1f} GiB are in use already "
+            "(this engine's weights, other processes); raise gpu_memory_utilization, free memory, or set "
+            "num_gpu_blocks_override"
+        )
+    return budget
+
+
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor in an anonymous mapping backed by transparent huge pages.
 

@@ -15,7 +15,13 @@ from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, Schedule
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
-from axon.platforms import available_memory_bytes, huge_page_zeros, resolve_device, resolve_dtype
+from axon.platforms import (
+    available_memory_bytes,
+    cuda_kv_budget_bytes,
+    huge_page_zeros,
+    resolve_device,
+    resolve_dtype,
+)
 from axon.platforms.cpu_kernels import cpu_kernels_loaded
 from axon.platforms.cpu_threads import configure_cpu_threads, init_cpu_process
 from axon.worker.buckets import resolve_buckets
@@ -37,7 +43,9 @@ class Worker:
         cache_root = config.model_config.cache_root
         assert cache_root is not None, "resolve_config() sets cache_root"
         d = config.device_config
-        cpu_kernels, self.thread_cpus = init_cpu_process(self.device, cache_root, d.num_threads, d.omp_threads_bind)
+        cpu_kernels, self.thread_cpus = init_cpu_process(
+            self.device, cache_root, d.num_threads, d.omp_threads_bind
+        )
         self.attention_backend = _attention_backend_name(
             config.compilation_config.attention_backend, self.device, cpu_kernels
         )
@@ -129,7 +137,7 @@ class Worker:
         max_model_len = self.config.model_config.max_model_len
         assert max_model_len is not None
         if self.device.type == "cuda":
-            budget = int(available_memory_bytes(self.device) * cache.gpu_memory_utilization)
+            budget = cuda_kv_budget_bytes(self.device, cache.gpu_memory_utilization)
         elif cache.kv_cache_space_gib is not None:
             budget = int(cache.kv_cache_space_gib * _GIB)
         else:

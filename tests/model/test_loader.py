@@ -666,3 +666,30 @@ def test_load_hf_config_errors(tmp_path: Path) -> None:
         load_hf_config(str(tmp_path))
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     assert load_hf_config(str(tmp_path)) == {"model_type": "llama"}
+
+
+def test_dummy_load_format_draws_seeded_weights_on_the_device(tiny_model_dir) -> None:
+    """load_format="dummy": no checkpoint is read; N(0, 0.02) matrices, unit norms, zero biases,
+    the same weights for the same seed and different ones for another."""
+    from axon import LLM, SamplingParams
+
+    def weights(seed: int) -> dict[str, torch.Tensor]:
+        llm = LLM(
+            model=tiny_model_dir("qwen2"), load_format="dummy", seed=seed, dtype="float32", max_model_len=64
+        )
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+        model = llm.llm_engine.engine_core.executor.worker.model
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    first = weights(0)
+    for name, p in first.items():
+        if name.endswith("norm.weight"):
+            assert torch.all(p == 1.0), name
+        elif name.endswith(".bias"):
+            assert torch.all(p == 0.0), name
+        else:
+            assert abs(p.std().item() - 0.02) < 0.004 and abs(p.mean().item()) < 0.004, name
+    again, other = weights(0), weights(1)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])

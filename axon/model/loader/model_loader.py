@@ -53,8 +53,13 @@ def load_model(
 
 
 def _init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights with a sane scale: N(0, 0.02) matrices, unit norms, zero biases."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random weights with a sane scale: N(0, 0.02) matrices, unit norms, zero biases.
+
+    Drawn in place on the parameters' device by a generator of that device (one per device,
+    seeded with ``seed``): a draw on the host and a copy would cost seconds of CPU time per
+    billion parameters before a GPU engine could start. The same seed gives the same weights on
+    the same device."""
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name.lower():
@@ -62,4 +67,6 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+                if param.device not in generators:
+                    generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+                param.normal_(0.0, 0.02, generator=generators[param.device])
