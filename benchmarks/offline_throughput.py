@@ -70,24 +70,45 @@ class AxonEngine:
 
 
 class TransformersEngine:
-    def __init__(self, folder: str, dtype: str, max_num_seqs: int) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
+    """transformers' ``generate`` on ``device``; ``random_weights`` builds the model from the
+    folder's config.json alone (initialised on the device), for configs with no checkpoint."""
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    def __init__(
+        self,
+        folder: str,
+        dtype: str,
+        max_num_seqs: int,
+        device: str = "cpu",
+        random_weights: bool = False,
+        cache_implementation: str | None = None,
+    ) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.cache_implementation = cache_implementation
+        if random_weights:
+            with self.device:
+                model = AutoModelForCausalLM.from_config(
+                    AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype)
+                )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(self.device)
+        self.model = model.eval()
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
         import torch
         from transformers import GenerationConfig
 
         # All prompts have the same length, so the batch needs no padding.
-        input_ids = torch.tensor(prompts)  # [num_prompts, input_len]
+        input_ids = torch.tensor(prompts, device=self.device)  # [num_prompts, input_len]
         config = GenerationConfig(
             do_sample=False,
             max_new_tokens=output_len,
             min_new_tokens=output_len,
             eos_token_id=None,
             pad_token_id=0,
+            cache_implementation=self.cache_implementation,
         )
         with torch.inference_mode():
             out = self.model.generate(
