@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -281,6 +282,8 @@ def environment(device: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    # A time limit's SIGTERM unwinds through main's finally: the rows measured so far are printed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     env = environment(args.device)
     print(env, flush=True)
     work = tempfile.mkdtemp(prefix="axon-bench-cuda-")
