@@ -209,6 +209,9 @@ def test_bfloat16_generates_text(full_vocab_llama: str) -> None:
         expected = _oracle(folder)(torch.tensor([token_ids], device=CUDA)).logits[0].float()
     got = teacher_forced_logits(worker.model, token_ids, block_size=16)
     assert torch.isfinite(got).all()
+    # Rounding moves each logit by a few thousandths (std ~0.16): the rows point the same way.
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
+    assert cosine.min().item() > 0.999, cosine
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     assert agree >= 0.8, f"bfloat16 top-1 agrees with float32 on only {agree:.0%} of positions"
 
