@@ -46,11 +46,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
-def available_memory_bytes(device: torch.device) -> int:
+def total_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory: a fact of the machine, unlike free memory, which changes from
+    one start to the next. On the CPU, physical memory or the cgroup's limit, whichever is less."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        _, total = torch.cuda.mem_get_info(device)
+        return total
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = _cgroup_memory_limit()
+    return min(physical, limit) if limit is not None else physical
+
+
+def _cgroup_memory_limit() -> int | None:
+    """cgroup v2 ``memory.max`` (v1: ``memory.limit_in_bytes``); None when unlimited or absent."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return int(text)
+    return None
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
