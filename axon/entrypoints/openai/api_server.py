@@ -18,10 +18,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
+import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import FrameType
@@ -43,11 +43,19 @@ from axon.entrypoints.openai.errors import OpenAIError, internal_error, unavaila
 from axon.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
 from axon.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
     EmbeddingRequest,
+    EmbeddingResponse,
+    ErrorResponse,
+    ModelList,
     ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
+    TokenizeResponse,
 )
 from axon.entrypoints.openai.serving_chat import OpenAIServingChat
 from axon.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -59,6 +67,7 @@ from axon.entrypoints.openai.serving_tokenization import OpenAIServingTokenizati
 from axon.metrics.loggers import LoggingStatLogger
 from axon.metrics.prometheus import PrometheusStatLogger, render_metrics
 from axon.metrics.stats import StatLogger
+from axon.startup import configure_logging
 
 logger = logging.getLogger("axon.entrypoints.openai.api_server")
 
@@ -216,6 +225,14 @@ class AxonServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
 
+    def _log_started_message(self, listeners: Sequence[socket.socket]) -> None:
+        # Instead of uvicorn's "Uvicorn running on ...", which users read as "ready" while the
+        # model still loads; "axon serving MODEL at ..." follows once /health answers 200.
+        host, port = listeners[0].getsockname()[:2]
+        logger.info(
+            "listening on http://%s:%d; loading the model (/health answers 503 until ready)", host, port
+        )
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
@@ -245,7 +262,8 @@ def build_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
         yield
         await state.shutdown()
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json (generated from the protocol models) and /docs, as vLLM serves them.
+    app = FastAPI(title="axon", version=axon.__version__, lifespan=lifespan, redoc_url=None)
     app.state.axon = state
     _add_routes(app, state)
     _add_error_handlers(app)
@@ -261,6 +279,17 @@ def build_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
         allow_headers=args.allowed_headers,
     )
     return app
+
+
+# For the OpenAPI schema: the error body every endpoint may answer, and the SSE form of the
+# generation endpoints (stream: true).
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)
+}
+_STREAMS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},  # "data: {chunk}" lines
+}
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -291,32 +320,32 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         return Response(render_metrics(state.prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> Response:
         return _json(state.require_servings().models.show_available_models())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMS)
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await state.require_servings("generate").chat.create_chat_completion(request, raw_request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMS)
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return await state.require_servings("generate").completion.create_completion(request, raw_request)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def embeddings(request: EmbeddingRequest) -> Response:
         return _json(await state.require_servings("pooling").embedding.create_embedding(request))
 
-    @app.post("/score")
-    @app.post("/v1/score")
+    @app.post("/score", response_model=ScoreResponse, responses=_ERRORS)
+    @app.post("/v1/score", response_model=ScoreResponse, responses=_ERRORS)
     async def score(request: ScoreRequest) -> Response:
         return _json(await state.require_servings("pooling").score.create_score(request))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest) -> Response:
         return _json(state.require_servings().tokenization.tokenize(request))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest) -> Response:
         return _json(state.require_servings().tokenization.detokenize(request))
 
@@ -374,10 +403,7 @@ def _validation_error(e: RequestValidationError) -> OpenAIError:
 # ---- entry point -----------------------------------------------------------------------------
 def run_server(args: argparse.Namespace, config: AxonConfig, served_model_names: list[str]) -> int:
     """Serve until a signal (exit 0) or an engine failure (exit 1)."""
-    logging.basicConfig(
-        level=os.environ.get("AXON_LOG_LEVEL", "INFO"),
-        format="%(levelname)s %(asctime)s [api-server] %(message)s",
-    )
+    configure_logging("api-server")
     state = ServerState(args, config, served_model_names)
     app = build_app(state, args)
     uv_config = uvicorn.Config(
