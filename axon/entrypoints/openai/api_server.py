@@ -21,7 +21,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import FrameType
@@ -225,14 +225,6 @@ class AxonServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
 
-    def _log_started_message(self, listeners: Sequence[socket.socket]) -> None:
-        # Instead of uvicorn's "Uvicorn running on ...", which users read as "ready" while the
-        # model still loads; "axon serving MODEL at ..." follows once /health answers 200.
-        host, port = listeners[0].getsockname()[:2]
-        logger.info(
-            "listening on http://%s:%d; loading the model (/health answers 503 until ready)", host, port
-        )
-
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
@@ -401,6 +393,21 @@ def _validation_error(e: RequestValidationError) -> OpenAIError:
 
 
 # ---- entry point -----------------------------------------------------------------------------
+def _bind_socket(config: uvicorn.Config) -> socket.socket:
+    """``config.bind_socket()`` without its "Uvicorn running on ..." line, which users read as
+    "ready" while the model is still loading ("axon serving MODEL at ..." says that)."""
+    uvicorn_logger = logging.getLogger("uvicorn.error")
+
+    def not_running_line(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Uvicorn running on")
+
+    uvicorn_logger.addFilter(not_running_line)
+    try:
+        return config.bind_socket()
+    finally:
+        uvicorn_logger.removeFilter(not_running_line)
+
+
 def run_server(args: argparse.Namespace, config: AxonConfig, served_model_names: list[str]) -> int:
     """Serve until a signal (exit 0) or an engine failure (exit 1)."""
     configure_logging("api-server")
@@ -417,6 +424,10 @@ def run_server(args: argparse.Namespace, config: AxonConfig, served_model_names:
     )
     server = AxonServer(uv_config, state)
     state.server = server
-    sock = uv_config.bind_socket()  # bound before the engine loads; /health says 503 until ready
+    sock = _bind_socket(uv_config)  # bound before the engine loads; /health says 503 until ready
+    logger.info(
+        "listening on http://%s:%d; loading the model (/health answers 503 until ready)",
+        *sock.getsockname()[:2],
+    )
     asyncio.run(server.serve(sockets=[sock]))
     return state.exit_code
