@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 import pytest
 
@@ -57,6 +58,14 @@ def test_every_option_is_documented_once_in_the_config() -> None:
 def test_chat_url_refuses_engine_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["chat", "--url", "http://127.0.0.1:9/v1", "--max-model-len", "64"]) == 2
     assert "--max-model-len: engine options apply to the offline chat" in capsys.readouterr().err
+
+
+def test_chat_url_without_a_server_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["chat", "--url", f"http://127.0.0.1:{port}/v1", "-q", "hi"]) == 2
+    assert f"cannot reach the server at http://127.0.0.1:{port}/v1" in capsys.readouterr().err
 
 
 def test_chat_flags_keep_vllm_names() -> None:

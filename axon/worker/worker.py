@@ -100,15 +100,14 @@ class Worker:
         self.linear_backend = resolve_linear_backend(
             config.compilation_config.linear_backend, self.dtype, self.device, cpu_kernels
         )
-        with startup_phase(f"loading the weights of {config.model_config.model_path} ({self.dtype})"):
-            self.model = load_model(
-                config.model_config,
-                self.dtype,
-                self.device,
-                backend,
-                self.linear_backend,
-                linear_batch_hint=config.scheduler_config.max_num_seqs,
-            )
+        self.model = load_model(
+            config.model_config,
+            self.dtype,
+            self.device,
+            backend,
+            self.linear_backend,
+            linear_batch_hint=config.scheduler_config.max_num_seqs,
+        )
         self.model_load_time_s = time.perf_counter() - t0
         hf = config.model_config.hf_config or {}
         self.buckets = resolve_buckets(config)

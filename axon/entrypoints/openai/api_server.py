@@ -258,6 +258,7 @@ def build_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="axon", version=axon.__version__, lifespan=lifespan, redoc_url=None)
     app.state.axon = state
     _add_routes(app, state)
+    _document_400_not_422(app)
     _add_error_handlers(app)
     key = cli_args.api_key(args)
     if key is not None:
@@ -340,6 +341,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest) -> Response:
         return _json(state.require_servings().tokenization.detokenize(request))
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI's schema promises 422 for an invalid body; axon answers 400 with an OpenAI error
+    (``_validation_error``), which every route already declares."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = generate()  # built once and cached by FastAPI; the edits below are idempotent
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _json(model: Any) -> Response:
