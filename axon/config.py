@@ -8,29 +8,45 @@ ones in one step that returns a new tree. Nothing here reads the environment at 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
+import inspect
 import json
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = None  # HF folder or .gguf file; None: the bundled default model
-    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    model: str | None = None
+    """HF folder or .gguf file; None: the bundled SmolLM2-135M-Instruct."""
+    tokenizer: str | None = None
+    """Tokenizer folder; None: the model's own."""
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    max_model_len: int | None = None  # None: the model's context length
+    """The name the API answers to; None: the model argument."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16. auto: bfloat16 on CUDA and on CPUs with native
+    bfloat16 (AVX-512 BF16, AMX), else float32."""
+    max_model_len: int | None = None
+    """Context length (prompt plus output) in tokens; None: the model's."""
     seed: int = 0
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    """Seed for dummy weights and for requests that give none."""
+    load_format: str = "auto"
+    """auto | safetensors | gguf | dummy (random weights, for tests)."""
     max_logprobs: int = 20
-    cache_root: str | None = None  # None: $AXON_CACHE_ROOT or ~/.cache/axon
-    runner: str = "auto"  # auto | generate | pooling; auto: pooling for encoder architectures
-    # Pooling models only (vLLM's --pooler-config): {"pooling_type": "LAST"|"MEAN"|"CLS"|"MAX",
-    # "normalize": bool, "instruction": str}; see axon/model/pooler.py, which checks it.
+    """The most logprobs / top_logprobs a request may ask for."""
+    cache_root: str | None = None
+    """Where converted GGUF folders, kernels and compiled graphs are kept; None:
+    $AXON_CACHE_ROOT or ~/.cache/axon."""
+    runner: str = "auto"
+    """auto | generate | pooling. auto: pooling for encoder (embedding) architectures."""
     pooler_config: dict[str, Any] | None = None
+    """Pooling models only, JSON: {"pooling_type": "LAST"|"MEAN"|"CLS"|"MAX", "normalize": bool,
+    "instruction": str}; see axon/model/pooler.py, which checks it."""
     # Resolved by resolve_config(), never set by users:
     model_path: str | None = None  # the HF folder actually loaded (a GGUF file is converted once)
     hf_config: dict[str, Any] | None = field(default=None, repr=False)
@@ -39,35 +55,47 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
+    """Tokens per KV-cache block (a power of two)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of shared prompt prefixes."""
     num_gpu_blocks_override: int | None = None
-    # CPU KV-cache budget in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); None: what max_num_seqs
-    # sequences of max_model_len need, capped at 4 GiB.
+    """Exactly this many KV blocks, whatever the memory."""
     kv_cache_space_gib: float | None = None
-    gpu_memory_utilization: float = 0.9  # CUDA only
+    """CPU KV-cache budget in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); None: what max_num_seqs
+    sequences of max_model_len need, at most 4 GiB and a quarter of the machine's memory."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA only: the share of the GPU's memory for weights and KV cache."""
     kv_cache_dtype: str = "auto"
+    """auto (the model's dtype) only, for now."""
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 (or max_model_len, if smaller)
+    """The most sequences running at once."""
+    max_num_batched_tokens: int | None = None
+    """The most tokens in one step; None: 2048 (or max_model_len, if smaller)."""
     scheduling_policy: str = "fcfs"
-    # Holdback admission: admit only while the running set fits at max_model_len each, so that
-    # decodes never preempt each other. Off: vLLM's optimistic admission (preemption may occur).
+    """fcfs only, for now."""
     admission_kv_limit: bool = True
-    # Schedule step N+1 while step N runs (vLLM's --async-scheduling): each running request is
-    # scheduled ahead with a placeholder for the token step N is sampling. None: on where it
-    # helps: CUDA yes, the CPU no (axon/engine/core.py); structured-output steps run in sync.
+    """Holdback admission: admit only while the running set fits at max_model_len each, so that
+    decodes never preempt each other. Off: vLLM's optimistic admission (preemption may occur)."""
     async_scheduling: bool | None = None
+    """Schedule step N+1 while step N runs (each running request is scheduled ahead with a
+    placeholder for the token step N is sampling). None: on where it helps: CUDA yes, the CPU
+    no (axon/engine/core.py); structured-output steps run in sync."""
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    """1 only, for now."""
     pipeline_parallel_size: int = 1
+    """1 only, for now."""
     data_parallel_size: int = 1
+    """1 only, for now."""
     enable_expert_parallel: bool = False
+    """Accepted for vLLM's scripts; no effect yet."""
 
 
 BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
@@ -76,53 +104,66 @@ LINEAR_BACKENDS = ("auto", "cpu_bf16", "onednn", "torch")  # see axon/model/laye
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    # True: no compiled graphs, every step eager. None: $AXON_ENFORCE_EAGER (1/0), else False.
     enforce_eager: bool | None = None
-    # Static-shape buckets (axon/worker/buckets.py; also accepted under vllm-neuron's names in
-    # additional_config.neuron_config). None: powers of two up to the configured maxima.
+    """No compiled graphs, every step eager. None: $AXON_ENFORCE_EAGER (1/0), else off."""
     num_batched_tokens_buckets: tuple[int, ...] | None = None
+    """Buckets of steps that prefill (static shapes; axon/worker/buckets.py), e.g. 128,512,2048;
+    None: powers of two from 128 to max_num_batched_tokens. Also read from vllm-neuron's
+    additional_config.neuron_config."""
     num_seqs_buckets: tuple[int, ...] | None = None
+    """Buckets of decode-only steps (requests per step), e.g. 1,8,32; None: powers of two from 1
+    to max_num_seqs."""
     decode_context_length_buckets: tuple[int, ...] | None = None
-    # on_demand: a bucket runs eagerly until the engine, idle, compiles the buckets traffic
-    # reached; warmup: compile every bucket before serving.
+    """Context lengths a decode step's block table is padded to (multiples of block_size, below
+    max_model_len); None: no padding."""
     bucket_compile: str = "on_demand"
-    attention_backend: str = "auto"  # auto | reference | cpu_paged | cpu_flash
-    # auto: axon's bf16 kernel on AVX-512 BF16 CPUs, else oneDNN with prepacked weights on the
-    # CPU (axon/model/layers/linear.py), else torch.
-    linear_backend: str = "auto"  # auto | cpu_bf16 | onednn | torch
+    """on_demand: a bucket runs eagerly until the idle engine compiles the buckets traffic
+    reached; warmup: compile every bucket before serving."""
+    attention_backend: str = "auto"
+    """auto | reference | cpu_paged | cpu_flash. auto: cpu_flash on the CPU (cpu_paged without
+    a C++ compiler), reference elsewhere."""
+    linear_backend: str = "auto"
+    """auto | cpu_bf16 | onednn | torch. auto: axon's bf16 kernel on AVX-512 BF16 CPUs, else
+    oneDNN with prepacked weights on the CPU (axon/model/layers/linear.py), else torch."""
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     speculative_config: dict[str, Any] | None = None
+    """Speculative decoding, JSON (vLLM's keys); accepted, not used yet."""
 
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    # {"backend": "auto"|"xgrammar", "disable_any_whitespace": bool, ...}: see
-    # axon/structured_output/options.py, which checks it.
     structured_outputs_config: dict[str, Any] | None = None
-    # Thinking models: <think>...</think> goes to reasoning_content; grammars apply after it.
+    """JSON: {"backend": "auto"|"xgrammar", "disable_any_whitespace": bool, ...}; see
+    axon/structured_output/options.py, which checks it."""
     reasoning_parser: str | None = None
+    """Thinking models (qwen3, deepseek_r1): <think>...</think> goes to reasoning_content;
+    grammars apply after it."""
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     kv_transfer_config: dict[str, Any] | None = None
+    """Disaggregated prefill/decode, JSON (vLLM's keys); accepted, not used yet."""
 
 
 @dataclass(frozen=True)
 class ObservabilityConfig:
     disable_log_stats: bool = False
+    """Do not log throughput and KV usage every 10 s."""
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str = "auto"  # auto | cpu | cuda
-    num_threads: int | None = None  # CPU intra-op threads; None: one per CPU of omp_threads_bind
-    # CPUs the intra-op threads are pinned to, one each (vLLM's VLLM_CPU_OMP_THREADS_BIND, which
-    # is read when this is None): auto (physical cores), all, nobind, or a list like "0-3,8".
+    device: str = "auto"
+    """auto | cpu | cuda. auto: cuda when available."""
+    num_threads: int | None = None
+    """CPU intra-op threads; None: one per CPU of omp_threads_bind."""
     omp_threads_bind: str | None = None
+    """CPUs the intra-op threads are pinned to, one each: auto (physical cores), all, nobind,
+    or a list like 0-3,8. None: $VLLM_CPU_OMP_THREADS_BIND, else auto."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +217,21 @@ def option_fields() -> list[tuple[str, dataclasses.Field[Any]]]:
             continue
         out += [(sub.name, f) for f in fields(sub.default) if f.name not in _RESOLVED_ONLY]  # type: ignore[arg-type]
     return out
+
+
+@functools.cache
+def option_docs() -> dict[str, str]:
+    """Option name -> its attribute docstring in this file (the string under the field), read
+    once: the one place an option is documented, for ``--help`` and for readers of the code."""
+    docs: dict[str, str] = {}
+    for node in ast.walk(ast.parse(inspect.getsource(sys.modules[__name__]))):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for stmt, nxt in zip(node.body, node.body[1:], strict=False):
+            is_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and is_doc:
+                docs[stmt.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+    return docs
 
 
 def build_config(**kwargs: Any) -> AxonConfig:

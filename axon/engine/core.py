@@ -59,6 +59,7 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.executor.compile_or_warm_up_model()
         self.startup_time_s = time.perf_counter() - t0
+        logger.info("engine core ready in %.1f s", self.startup_time_s)
         self._reported_startup = False
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -23,6 +23,7 @@ import zmq
 
 from axon.config import AxonConfig
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from axon.startup import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,7 @@ def decode_outputs(frame: bytes) -> EngineCoreOutputs:
 def run_engine_core(config: AxonConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the engine-core process (started with the spawn method)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
-    logging.basicConfig(
-        level=os.environ.get("AXON_LOG_LEVEL", "INFO"),
-        format="%(levelname)s %(asctime)s [engine-core] %(message)s",
-    )
+    configure_logging("engine-core")
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)

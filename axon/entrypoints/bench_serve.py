@@ -34,7 +34,13 @@ from typing import Any
 
 import numpy as np
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's --backend names this client speaks -> the endpoint each posts to by default. A backend
+# decides the request's shape (prompt vs messages); --endpoint only the path.
+BACKEND_ENDPOINTS = {
+    "openai": "/v1/completions",
+    "vllm": "/v1/completions",
+    "openai-chat": "/v1/chat/completions",
+}
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {
     "ttft": ("Time to First Token", "TTFT"),
@@ -69,7 +75,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    g.add_argument(
+        "--backend",
+        default=None,
+        choices=tuple(BACKEND_ENDPOINTS),
+        help="vLLM's names: openai or vllm send completions, openai-chat chat completions "
+        "(default: what --endpoint is, else openai)",
+    )
+    g.add_argument(
+        "--endpoint",
+        default=None,
+        help="the path requests are posted to (default: the backend's, /v1/completions or "
+        "/v1/chat/completions)",
+    )
     g.add_argument("--model", default=None, help="default: the first model the server's /v1/models lists")
     g.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: the bundled SmolLM2)")
     d = parser.add_argument_group("dataset")
@@ -123,6 +141,25 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.dataset_name == "jsonl" and not args.dataset_path:
         raise ValueError("--dataset-name jsonl needs --dataset-path")
     parse_percentiles(args.metric_percentiles)
+    args.backend, args.endpoint = resolve_backend(args.backend, args.endpoint)
+
+
+def resolve_backend(backend: str | None, endpoint: str | None) -> tuple[str, str]:
+    """(backend, endpoint) from either or both, as vLLM pairs them: a chat backend posts to a
+    path ending in chat/completions, a completions backend to one ending in completions."""
+    if endpoint is not None and not endpoint.startswith("/"):
+        raise ValueError(f"--endpoint must be a path such as /v1/completions, got {endpoint!r}")
+    path = (endpoint or "").rstrip("/")
+    is_chat = path.endswith("chat/completions")
+    if backend is None:
+        backend = "openai-chat" if is_chat else "openai"
+    if endpoint is None:
+        return backend, BACKEND_ENDPOINTS[backend]
+    fits = is_chat if backend == "openai-chat" else path.endswith("completions") and not is_chat
+    if not fits:
+        want = "chat/completions" if backend == "openai-chat" else "completions (not chat/completions)"
+        raise ValueError(f"--backend {backend} posts to a path ending in {want}; --endpoint is {endpoint!r}")
+    return backend, endpoint
 
 
 def parse_percentiles(text: str) -> list[float]:
@@ -143,7 +180,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="axon bench", description="axon's benchmarks")
+    from axon.entrypoints.cli import AxonArgumentParser
+
+    parser = AxonArgumentParser(prog="axon bench", description="axon's benchmarks")
     sub = parser.add_subparsers(dest="bench_command", required=True)
     add_serve_args(sub.add_parser("serve", help="load-test an OpenAI-compatible server"))
     args = parser.parse_args(argv)
@@ -249,7 +288,7 @@ async def arrivals(requests: list[SampleRequest], intervals: list[float]) -> Asy
 
 
 # ---- one request ---------------------------------------------------------------------------
-def build_payload(endpoint: str, model: str, req: SampleRequest, args: argparse.Namespace) -> dict[str, Any]:
+def build_payload(backend: str, model: str, req: SampleRequest, args: argparse.Namespace) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "model": model,
         "max_tokens": req.output_len,
@@ -257,7 +296,7 @@ def build_payload(endpoint: str, model: str, req: SampleRequest, args: argparse.
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if endpoint == "/v1/chat/completions":
+    if backend == "openai-chat":
         payload["messages"] = [{"role": "user", "content": req.prompt}]
     else:
         payload["prompt"] = req.prompt
@@ -371,7 +410,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         async def one(req: SampleRequest) -> RequestResult:
             nonlocal in_flight, peak
-            payload = build_payload(args.endpoint, model, req, args)
+            payload = build_payload(args.backend, model, req, args)
             if semaphore is not None:
                 await semaphore.acquire()
             in_flight += 1
@@ -392,7 +431,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result = calculate_metrics(results, duration, parse_percentiles(args.metric_percentiles))
     result.update(
         date=datetime.now().strftime("%Y%m%d-%H%M%S"),
-        backend="openai-chat" if args.endpoint.endswith("chat/completions") else "openai",
+        backend=args.backend,
         endpoint=args.endpoint,
         base_url=url,
         model_id=model,

@@ -2,21 +2,55 @@
 ``axon bench serve``, with vLLM's flag names.
 
 Engine flags are generated from the config tree (``axon/config.py``), so every option has one
-name everywhere: ``--max-model-len`` on the command line is ``max_model_len`` in ``LLM(...)``.
+name everywhere: ``--max-model-len`` on the command line is ``max_model_len`` in ``LLM(...)``,
+and its help is the field's docstring there.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import sys
 import types
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, Union, get_args, get_origin, get_type_hints
 
-from axon.config import AxonConfig, option_fields
+from axon.config import AxonConfig, option_docs, option_fields
+from axon.startup import configure_logging
 
 # Exit code for bad user input, as argparse uses.
 EXIT_USAGE = 2
+
+
+class AxonArgumentParser(argparse.ArgumentParser):
+    """argparse, but an unknown flag is reported by the (sub)command that got it, with its own
+    usage and the nearest flag it does have ("did you mean --max-model-len?").
+
+    Plain argparse lets a subcommand pass unknown flags up to the top-level parser, which then
+    prints the top-level usage and no suggestion. Subparsers are made with this class too.
+    """
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._suggestion(extras)}")
+        return namespace, extras
+
+    def _suggestion(self, extras: list[str]) -> str:
+        flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+        for arg in extras:
+            if arg.startswith("--"):
+                close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return ""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def _flag_type(sub: str, f: dataclasses.Field[Any]) -> Any:
@@ -26,6 +60,14 @@ def _flag_type(sub: str, f: dataclasses.Field[Any]) -> Any:
     if get_origin(hint) in (dict, tuple):
         return str  # JSON text (parsed by build_config) or a list such as 1,2,4 (by the resolver)
     return hint
+
+
+def _flag_help(f: dataclasses.Field[Any]) -> str:
+    """The field's docstring in axon/config.py and its default (the flag's own default is None,
+    meaning "not given", so that the config stays the one source of defaults)."""
+    default = f.default
+    shown = ("on" if default else "off") if isinstance(default, bool) else default
+    return f"{option_docs()[f.name]} (default: {shown})".replace("%", "%%")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
@@ -38,10 +80,16 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(sub, f)
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_flag_help(f))
         else:
-            group.add_argument(flag, type=kind, default=None, metavar=f.name.upper())
-    group.add_argument("--additional-config", type=str, default=None, metavar="JSON")
+            group.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=_flag_help(f))
+    group.add_argument(
+        "--additional-config",
+        type=str,
+        default=None,
+        metavar="JSON",
+        help='extra options, JSON; vllm-neuron\'s {"neuron_config": {...}} keys are read (default: {})',
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,14 +100,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--max-tokens", type=int, default=128, help="the most tokens per answer (default: 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (default: 0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top (default: 0)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (default: None)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: 1: off)")
+    g.add_argument("--stop", action="append", default=None, help="a stop string; repeat for several")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -78,7 +126,7 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="axon", description="axon: LLM inference with vLLM's surface.")
+    parser = AxonArgumentParser(prog="axon", description="axon: LLM inference with vLLM's surface.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt")
@@ -90,18 +138,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _sampling_args(gen)
     add_engine_args(gen)
-    chat = sub.add_parser("chat", help="an interactive chat that streams tokens as they come")
-    chat.add_argument(
-        "--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"
-    )
-    chat.add_argument("--system", default=None, help="a system prompt")
-    _sampling_args(chat)
-    add_engine_args(chat)
+    _add_chat_parser(sub)
     _add_serve_parser(sub)
     from axon.entrypoints.bench_serve import add_bench_parser
 
     add_bench_parser(sub)
     return parser
+
+
+def _add_chat_parser(sub: Any) -> None:
+    chat = sub.add_parser(
+        "chat",
+        help="an interactive chat that streams tokens as they come: with a running server "
+        "(--url, vLLM's `vllm chat`) or, without --url, with a model loaded in this process",
+    )
+    remote = chat.add_argument_group("a running server (vLLM's `vllm chat` flags)")
+    remote.add_argument(
+        "--url",
+        default=None,
+        help="the server's OpenAI API, e.g. http://localhost:8000/v1 (default: none: load the "
+        "model here, offline, with the engine options below)",
+    )
+    remote.add_argument(
+        "--model-name", default=None, help="the served model (default: the first of /v1/models)"
+    )
+    remote.add_argument(
+        "--api-key", default=None, help="(default: $OPENAI_API_KEY, then $VLLM_API_KEY, else none)"
+    )
+    chat.add_argument(
+        "--system-prompt", "--system", dest="system_prompt", default=None, help="a system prompt"
+    )
+    chat.add_argument(
+        "-q", "--quick", metavar="MESSAGE", default=None, help="send MESSAGE, print the answer, exit"
+    )
+    chat.add_argument(
+        "--model",
+        default=None,
+        help="offline: HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+    )
+    _sampling_args(chat)
+    add_engine_args(chat)
 
 
 def _add_serve_parser(sub: Any) -> None:
@@ -149,6 +225,7 @@ def _chat_prompt(engine, messages: list[dict[str, str]]) -> dict[str, list[int]]
 def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
+    configure_logging("axon")  # start-up phases go to stderr; the answer to stdout
     engine = _make_engine(args)
     params = _sampling_params(args)
     use_template = not args.chat_template_off and engine.get_tokenizer().chat_template is not None
@@ -158,26 +235,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = _make_engine(args)
-    params = _sampling_params(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.url is None:
+        configure_logging("axon")
+        engine = _make_engine(args)
+        params = _sampling_params(args)
+        return _chat_loop(lambda messages: _stream(engine, _chat_prompt(engine, messages), params), args)
+    offline_only = sorted(engine_kwargs(args)) + (["model"] if args.model else [])
+    if offline_only:
+        flags = ", ".join("--" + n.replace("_", "-") for n in offline_only)
+        raise ValueError(f"{flags}: engine options apply to the offline chat (no --url) only")
+    from axon.entrypoints.remote_chat import RemoteChat
+
+    return _chat_loop(RemoteChat(args).reply, args)
+
+
+def _chat_loop(reply: Callable[[list[dict[str, str]]], str], args: argparse.Namespace) -> int:
+    """Read user turns (or the one --quick message), stream each answer; the conversation
+    grows with every turn. An error on one turn (e.g. the conversation outgrew max_model_len)
+    is printed and that turn dropped."""
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    for line in [args.quick] if args.quick is not None else _input_lines():
+        messages.append({"role": "user", "content": line})
+        try:
+            answer = reply(messages)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def _input_lines() -> Iterator[str]:
+    """Lines from stdin, up to an empty line or EOF (Ctrl-D)."""
     print("axon chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
-            break
+            return
         if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        try:
-            reply = _stream(engine, _chat_prompt(engine, messages), params)
-        except ValueError as e:  # e.g. the conversation outgrew max_model_len
-            print(f"error: {e}", file=sys.stderr)
-            messages.pop()
-            continue
-        messages.append({"role": "assistant", "content": reply})
-    return 0
+            return
+        yield line
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -185,6 +284,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from axon.entrypoints.openai.api_server import run_server
     from axon.entrypoints.openai.cli_args import load_chat_template, validate_server_args
 
+    configure_logging("api-server")  # before the model is located: a GGUF conversion logs
     validate_server_args(args)
     load_chat_template(args.chat_template)  # a bad path fails here, before the model loads
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:

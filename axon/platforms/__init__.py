@@ -46,25 +46,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 
-def available_memory_bytes(device: torch.device) -> int:
+def total_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory: a fact of the machine, unlike free memory, which changes from
+    one start to the next. On the CPU, physical memory or the cgroup's limit, whichever is less."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        _, total = torch.cuda.mem_get_info(device)
+        return total
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = _cgroup_memory_limit()
+    return min(physical, limit) if limit is not None else physical
 
 
-def cuda_kv_budget_bytes(device: torch.device, utilization: float) -> int:
-    """Bytes of KV cache an engine on ``device`` may allocate now, weights already loaded.
-
-    vLLM's meaning of ``gpu_memory_utilization``: the share of the device's total memory this
-    engine may use, weights and KV together, so what is in use already (its weights, other
-    engines, other processes) comes out of that share. Read as a share of *free* memory, a second
-    engine on the same device (a test process and the server it starts, say) would take most of
-    what the first left. Allocations after start-up (activations, compile workspace) live in the
-    remaining ``1 - utilization``.
-    """
-    free, total = torch.cuda.mem_get_info(device)
-    return kv_budget_within_share(free, total, utilization)
+def _cgroup_memory_limit() -> int | None:
+    """cgroup v2 ``memory.max`` (v1: ``memory.limit_in_bytes``); None when unlimited or absent."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return int(text)
+    return None
 
 
 def kv_budget_within_share(free: int, total: int, utilization: float) -> int:

@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from axon.startup import startup_phase
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
@@ -116,9 +118,9 @@ def _build(compiler: str, folder: str, path: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
     cmd = [compiler, *_sources(), "-o", tmp, *_flags()]
-    logger.info("building axon's CPU kernels (once per machine and version)")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        with startup_phase("building axon's CPU kernels (once per machine and version)"):
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
         os.replace(tmp, path)

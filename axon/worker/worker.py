@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -16,14 +17,15 @@ from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
 from axon.platforms import (
-    available_memory_bytes,
-    cuda_kv_budget_bytes,
     huge_page_zeros,
+    kv_budget_within_share,
     resolve_device,
     resolve_dtype,
+    total_memory_bytes,
 )
 from axon.platforms.cpu_kernels import cpu_kernels_loaded
 from axon.platforms.cpu_threads import configure_cpu_threads, init_cpu_process
+from axon.startup import startup_phase
 from axon.worker.buckets import resolve_buckets
 from axon.worker.compiler import BucketCompiler, compile_cache_key
 from axon.worker.model_runner import ModelRunner
@@ -31,7 +33,61 @@ from axon.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
-_AUTO_CPU_KV_CAP_GIB = 4.0
+# kv_cache_space_gib "auto" on the CPU: what max_num_seqs full-length sequences need, at most
+# this many GiB and at most this share of the machine's memory (weights and activations need
+# the rest).
+AUTO_CPU_KV_CAP_GIB = 4.0
+AUTO_CPU_KV_MAX_MEMORY_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class KVCacheDecision:
+    num_blocks: int
+    reason: str  # how the number was reached, for the start-up log
+
+
+def decide_num_blocks(
+    config: AxonConfig, bytes_per_block: int, device_type: str, total_bytes: int, used_bytes: int = 0
+) -> KVCacheDecision:
+    """The number of KV blocks, from the config and facts of the machine only.
+
+    Deliberately not from free memory: free memory differs between two starts on the same
+    machine (page cache, other processes), and so did the cache size (8,604 then 4,269 blocks).
+    ``used_bytes``: what the device has in use already (on CUDA: this engine's weights, other
+    processes), taken out of ``gpu_memory_utilization``'s share as vLLM does.
+    """
+    cache, sched = config.cache_config, config.scheduler_config
+    if cache.num_gpu_blocks_override is not None:
+        n = cache.num_gpu_blocks_override
+        return KVCacheDecision(n, f"{n} blocks (num_gpu_blocks_override)")
+    max_model_len = config.model_config.max_model_len
+    assert max_model_len is not None, "resolve_config() sets max_model_len"
+    if device_type == "cuda":
+        budget = kv_budget_within_share(total_bytes - used_bytes, total_bytes, cache.gpu_memory_utilization)
+        why = (
+            f"gpu_memory_utilization {cache.gpu_memory_utilization} of {total_bytes / _GIB:.2f} GiB "
+            f"less {used_bytes / _GIB:.2f} GiB in use = {budget / _GIB:.2f} GiB"
+        )
+    elif cache.kv_cache_space_gib is not None:
+        budget = int(cache.kv_cache_space_gib * _GIB)
+        why = f"kv_cache_space_gib {cache.kv_cache_space_gib:g} GiB"
+    else:
+        need = (sched.max_num_seqs * cdiv(max_model_len, cache.block_size) + 1) * bytes_per_block
+        budget, limit = min(
+            (need, "what they need"),
+            (int(AUTO_CPU_KV_CAP_GIB * _GIB), f"the {AUTO_CPU_KV_CAP_GIB:g} GiB cap"),
+            (
+                int(total_bytes * AUTO_CPU_KV_MAX_MEMORY_FRACTION),
+                f"{AUTO_CPU_KV_MAX_MEMORY_FRACTION:g} of {total_bytes / _GIB:.1f} GiB memory",
+            ),
+            key=lambda option: option[0],
+        )
+        why = (
+            f"auto: max_num_seqs {sched.max_num_seqs} x max_model_len {max_model_len} need "
+            f"{need / _GIB:.2f} GiB; using {budget / _GIB:.2f} GiB ({limit})"
+        )
+    num_blocks = max(budget // bytes_per_block, 1)
+    return KVCacheDecision(num_blocks, f"{num_blocks} blocks of {bytes_per_block} bytes from {why}")
 
 
 class Worker:
@@ -103,8 +159,17 @@ class Worker:
 
     def compile_or_warm_up_model(self) -> None:
         """Under bucket_compile="warmup", compile every bucket now (the KV cache is bound)."""
-        if self.compiler is not None and self.compiler.policy == "warmup":
-            self.compiler.warmup()
+        if self.compiler is None:
+            logger.info("enforce_eager: every step runs eagerly, nothing is compiled")
+        elif self.compiler.policy == "warmup":
+            sizes = self.compiler.token_sizes
+            with startup_phase(f"compiling {len(sizes)} buckets {list(sizes)} (bucket_compile=warmup)"):
+                self.compiler.warmup()
+        else:
+            logger.info(
+                "bucket_compile=on_demand: buckets run eagerly until the idle engine compiles "
+                "the ones traffic reached"
+            )
 
     def take_compile_events(self) -> list[CompileEvent]:
         return self.compiler.take_events() if self.compiler is not None else []
@@ -130,36 +195,24 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """KV blocks this worker can hold (block 0, the null block, included)."""
-        cache, sched = self.config.cache_config, self.config.scheduler_config
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
-        per_block = self.bytes_per_block()
-        max_model_len = self.config.model_config.max_model_len
-        assert max_model_len is not None
-        if self.device.type == "cuda":
-            budget = cuda_kv_budget_bytes(self.device, cache.gpu_memory_utilization)
-        elif cache.kv_cache_space_gib is not None:
-            budget = int(cache.kv_cache_space_gib * _GIB)
-        else:
-            # Enough for max_num_seqs full-length sequences, within a share of free memory.
-            need = (sched.max_num_seqs * cdiv(max_model_len, cache.block_size) + 1) * per_block
-            budget = min(need, int(_AUTO_CPU_KV_CAP_GIB * _GIB), available_memory_bytes(self.device) // 4)
-        return max(budget // per_block, 1)
+        total = total_memory_bytes(self.device)
+        # On CUDA, what the whole device has in use: this engine's weights and other processes.
+        used = total - torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        decision = decide_num_blocks(self.config, self.bytes_per_block(), self.device.type, total, used)
+        logger.info("KV cache size: %s", decision.reason)
+        return decision.num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         arch = self.model.arch
         shape = (num_blocks, self.config.cache_config.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = []
-        for i, layer in enumerate(self.model.attention_layers()):
-            kv = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
-            layer.bind_kv_cache(i, kv)
-            self.kv_caches.append(kv)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
-            num_blocks,
-            self.config.cache_config.block_size,
-            num_blocks * self.bytes_per_block() / _GIB,
-        )
+        gib = num_blocks * self.bytes_per_block() / _GIB
+        size = f"{num_blocks} blocks of {self.config.cache_config.block_size} tokens ({gib:.2f} GiB)"
+        with startup_phase(f"allocating the KV cache: {size}"):
+            for i, layer in enumerate(self.model.attention_layers()):
+                kv = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+                layer.bind_kv_cache(i, kv)
+                self.kv_caches.append(kv)
 
     def init_thread(self) -> None:
         """Set up intra-op threads for another calling thread (async scheduling's step thread)."""

@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -43,11 +43,19 @@ from axon.entrypoints.openai.errors import OpenAIError, internal_error, unavaila
 from axon.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
 from axon.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
     EmbeddingRequest,
+    EmbeddingResponse,
+    ErrorResponse,
+    ModelList,
     ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
+    TokenizeResponse,
 )
 from axon.entrypoints.openai.serving_chat import OpenAIServingChat
 from axon.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -59,6 +67,7 @@ from axon.entrypoints.openai.serving_tokenization import OpenAIServingTokenizati
 from axon.metrics.loggers import LoggingStatLogger
 from axon.metrics.prometheus import PrometheusStatLogger, render_metrics
 from axon.metrics.stats import StatLogger
+from axon.startup import configure_logging
 
 logger = logging.getLogger("axon.entrypoints.openai.api_server")
 
@@ -245,9 +254,11 @@ def build_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
         yield
         await state.shutdown()
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json (generated from the protocol models) and /docs, as vLLM serves them.
+    app = FastAPI(title="axon", version=axon.__version__, lifespan=lifespan, redoc_url=None)
     app.state.axon = state
     _add_routes(app, state)
+    _document_400_not_422(app)
     _add_error_handlers(app)
     key = cli_args.api_key(args)
     if key is not None:
@@ -261,6 +272,17 @@ def build_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
         allow_headers=args.allowed_headers,
     )
     return app
+
+
+# For the OpenAPI schema: the error body every endpoint may answer, and the SSE form of the
+# generation endpoints (stream: true).
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)
+}
+_STREAMS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},  # "data: {chunk}" lines
+}
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -291,34 +313,51 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         return Response(render_metrics(state.prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> Response:
         return _json(state.require_servings().models.show_available_models())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMS)
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await state.require_servings("generate").chat.create_chat_completion(request, raw_request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMS)
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return await state.require_servings("generate").completion.create_completion(request, raw_request)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def embeddings(request: EmbeddingRequest) -> Response:
         return _json(await state.require_servings("pooling").embedding.create_embedding(request))
 
-    @app.post("/score")
-    @app.post("/v1/score")
+    @app.post("/score", response_model=ScoreResponse, responses=_ERRORS)
+    @app.post("/v1/score", response_model=ScoreResponse, responses=_ERRORS)
     async def score(request: ScoreRequest) -> Response:
         return _json(await state.require_servings("pooling").score.create_score(request))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest) -> Response:
         return _json(state.require_servings().tokenization.tokenize(request))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest) -> Response:
         return _json(state.require_servings().tokenization.detokenize(request))
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI's schema promises 422 for an invalid body; axon answers 400 with an OpenAI error
+    (``_validation_error``), which every route already declares."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = generate()  # built once and cached by FastAPI; the edits below are idempotent
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _json(model: Any) -> Response:
@@ -372,12 +411,24 @@ def _validation_error(e: RequestValidationError) -> OpenAIError:
 
 
 # ---- entry point -----------------------------------------------------------------------------
+def _bind_socket(config: uvicorn.Config) -> socket.socket:
+    """``config.bind_socket()`` without its "Uvicorn running on ..." line, which users read as
+    "ready" while the model is still loading ("axon serving MODEL at ..." says that)."""
+    uvicorn_logger = logging.getLogger("uvicorn.error")
+
+    def not_running_line(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Uvicorn running on")
+
+    uvicorn_logger.addFilter(not_running_line)
+    try:
+        return config.bind_socket()
+    finally:
+        uvicorn_logger.removeFilter(not_running_line)
+
+
 def run_server(args: argparse.Namespace, config: AxonConfig, served_model_names: list[str]) -> int:
     """Serve until a signal (exit 0) or an engine failure (exit 1)."""
-    logging.basicConfig(
-        level=os.environ.get("AXON_LOG_LEVEL", "INFO"),
-        format="%(levelname)s %(asctime)s [api-server] %(message)s",
-    )
+    configure_logging("api-server")
     state = ServerState(args, config, served_model_names)
     app = build_app(state, args)
     uv_config = uvicorn.Config(
@@ -391,6 +442,10 @@ def run_server(args: argparse.Namespace, config: AxonConfig, served_model_names:
     )
     server = AxonServer(uv_config, state)
     state.server = server
-    sock = uv_config.bind_socket()  # bound before the engine loads; /health says 503 until ready
+    sock = _bind_socket(uv_config)  # bound before the engine loads; /health says 503 until ready
+    logger.info(
+        "listening on http://%s:%d; loading the model (/health answers 503 until ready)",
+        *sock.getsockname()[:2],
+    )
     asyncio.run(server.serve(sockets=[sock]))
     return state.exit_code

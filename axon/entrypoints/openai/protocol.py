@@ -21,6 +21,19 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (axon/entrypoints/openai/errors.py), declared for the OpenAPI schema."""
+
+    error: ErrorInfo
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False

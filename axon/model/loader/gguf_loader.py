@@ -32,6 +32,8 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from axon.startup import startup_phase
+
 # Bump whenever the folder's contents would change for the same GGUF file.
 LOADER_VERSION = "1"
 SHARD_MAX_BYTES = 2 << 30
@@ -101,7 +103,8 @@ def gguf_to_hf_folder(gguf_path: str, cache_root: str) -> str:
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the published folder from other users
     try:
-        _write_hf_folder(reader, path, tmp)
+        with startup_phase(f"converting {gguf_path} to a Hugging Face folder (once per file)"):
+            _write_hf_folder(reader, path, tmp)
         _publish(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -11,6 +11,7 @@ from axon.model.layers.linear import pack_linears
 from axon.model.loader.safetensors_loader import iterate_safetensors
 from axon.model.registry import resolve_model_class
 from axon.platforms import move_to_huge_pages
+from axon.startup import startup_phase
 
 
 def load_model(
@@ -25,31 +26,32 @@ def load_model(
     linear layer's weight once (oneDNN's for ``linear_batch_hint`` rows, the usual decode batch)."""
     hf = model_config.hf_config
     assert hf is not None and model_config.model_path is not None, "resolve_config() comes first"
-    cls = resolve_model_class(hf.get("architectures"), model_config.runner)
-    # Parameters are built without initialisation (meta), then materialised in place; buffers
-    # (rotary tables) are computed for real, in float32.
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = cls(hf, backend)
-    finally:
-        torch.set_default_dtype(prev)
-    model.to_empty(device=device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    for module in model.modules():
-        if hasattr(module, "reset_buffers"):
-            module.reset_buffers()
-    if model_config.load_format == "dummy":
-        _init_dummy_weights(model, model_config.seed)
-    else:
-        model.load_weights(iterate_safetensors(model_config.model_path))
-    if linear_backend != "torch":
-        pack_linears(model, linear_backend, linear_batch_hint)
-    if device.type == "cpu":
-        move_to_huge_pages(model)
-    return model.eval()
+    with startup_phase(f"loading the weights of {model_config.model_path} ({dtype})"):
+        cls = resolve_model_class(hf.get("architectures"), model_config.runner)
+        # Parameters are built without initialisation (meta), then materialised in place; buffers
+        # (rotary tables) are computed for real, in float32.
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = cls(hf, backend)
+        finally:
+            torch.set_default_dtype(prev)
+        model.to_empty(device=device)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        for module in model.modules():
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+        if model_config.load_format == "dummy":
+            _init_dummy_weights(model, model_config.seed)
+        else:
+            model.load_weights(iterate_safetensors(model_config.model_path))
+        if linear_backend != "torch":
+            pack_linears(model, linear_backend, linear_batch_hint)
+        if device.type == "cpu":
+            move_to_huge_pages(model)
+        return model.eval()
 
 
 def _init_dummy_weights(model: nn.Module, seed: int) -> None:
