@@ -147,10 +147,12 @@ class Worker:
             layer.bind_kv_cache(i, kv)
             self.kv_caches.append(kv)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%.2f GiB)%s",
             num_blocks,
             self.config.cache_config.block_size,
             num_blocks * self.bytes_per_block() / _GIB,
+            # README "Memory": the process's RSS grows by up to this much as blocks are first used.
+            ", resident as blocks are first used" if self.device.type == "cpu" else "",
         )
 
     def init_thread(self) -> None:
