@@ -90,7 +90,7 @@ class BucketCompiler:
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
             model.forward, dynamic=False, fullgraph=True
         )
-        # Each graph stays resident once built (README "Memory"): the bucket list bounds them.
+        # Each graph stays resident once built (README "Memory of the engine process"): the bucket list bounds them.
         logger.info(
             "bucket_compile=%s: at most %d compiled graphs, one per bucket %s",
             policy,
