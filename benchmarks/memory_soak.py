@@ -4,8 +4,9 @@ Each round sends ``--streams`` concurrent streaming chat requests (new prompts e
 reads ``--chunks`` chunks and then drops its connection, so the server aborts it. Once the engine
 is idle, the engine-core process's RSS is printed, split into the KV cache's area and the rest.
 The KV cache is an anonymous mapping that becomes resident block by block on first touch, up to
-its full size: bounded and expected (README, "Memory of the engine process"). The kernel merges it with the weights'
-huge-page arena into one area, so ``kv+weights`` is the weights (fixed) plus the touched KV.
+its full size: bounded and expected (README, "Memory of the engine process"). The kernel
+merges it with the weights' huge-page arena into one area, so ``kv+weights`` is the weights
+(fixed) plus the touched KV.
 Buckets a round reaches are compiled when the engine is next idle: their memory shows in the
 next rounds.
 

@@ -90,7 +90,8 @@ class BucketCompiler:
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
             model.forward, dynamic=False, fullgraph=True
         )
-        # Each graph stays resident once built (README "Memory of the engine process"): the bucket list bounds them.
+        # Each graph stays resident once built, so the bucket list bounds them (README, "Memory
+        # of the engine process").
         logger.info(
             "bucket_compile=%s: at most %d compiled graphs, one per bucket %s",
             policy,

@@ -151,7 +151,8 @@ class Worker:
             num_blocks,
             self.config.cache_config.block_size,
             num_blocks * self.bytes_per_block() / _GIB,
-            # README "Memory of the engine process": the process's RSS grows by up to this much as blocks are first used.
+            # The process's RSS grows by up to this much as blocks are first used (README,
+            # "Memory of the engine process").
             ", resident as blocks are first used" if self.device.type == "cpu" else "",
         )
 
