@@ -2,8 +2,9 @@
 
 What the engine-core process holds grows only in bounded ways (README, "Memory of the engine
 process"): the KV cache becomes resident block by block up to its size, each compiled bucket
-adds its graph once, and the allocators reach their working size in the first rounds. Per-request state (scheduler,
-worker request states, block references) must be gone once a disconnected stream is aborted.
+adds its graph once, and the allocators reach their working size in the first rounds.
+Per-request state (scheduler, worker request states, block references) must be gone once a
+disconnected stream is aborted.
 This server has a KV cache small enough that the warm-up round touches all of it, and runs
 eagerly (as the suite does), so what is left to grow after the warm-up is per-request state.
 """
