@@ -90,6 +90,14 @@ class BucketCompiler:
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
             model.forward, dynamic=False, fullgraph=True
         )
+        # Each graph stays resident once built, so the bucket list bounds them (README, "Memory
+        # of the engine process").
+        logger.info(
+            "bucket_compile=%s: at most %d compiled graphs, one per bucket %s",
+            policy,
+            len(self.token_sizes),
+            list(self.token_sizes),
+        )
 
     def warmup(self) -> None:
         for n in self.token_sizes:

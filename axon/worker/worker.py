@@ -208,6 +208,10 @@ class Worker:
         self.kv_caches = []
         gib = num_blocks * self.bytes_per_block() / _GIB
         size = f"{num_blocks} blocks of {self.config.cache_config.block_size} tokens ({gib:.2f} GiB)"
+        if self.device.type == "cpu":
+            # The process's RSS grows by up to this much as blocks are first used (README,
+            # "Memory of the engine process").
+            size += ", resident as blocks are first used"
         with startup_phase(f"allocating the KV cache: {size}"):
             for i, layer in enumerate(self.model.attention_layers()):
                 kv = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
