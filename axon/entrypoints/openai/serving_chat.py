@@ -50,13 +50,14 @@ class OpenAIServingChat(OpenAIServing):
         self.check_unsupported(request)
         _check_chat_unsupported(request)
         plan = plan_tools(request, self.ctx.enable_auto_tool_choice, self.ctx.tool_call_parser)
-        _, prompt_token_ids = self.render_chat(
+        _, prompt_token_ids = await self.render_chat(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
             plan.template_kwargs(request.chat_template_kwargs),
             request.add_special_tokens,
+            truncating=request.truncate_prompt_tokens is not None,
         )
         if request.truncate_prompt_tokens is not None:
             prompt_token_ids = prompt_token_ids[-request.truncate_prompt_tokens :]
