@@ -57,7 +57,6 @@ class OpenAIServingChat(OpenAIServing):
             request.chat_template,
             plan.template_kwargs(request.chat_template_kwargs),
             request.add_special_tokens,
-            truncating=request.truncate_prompt_tokens is not None,
         )
         if request.truncate_prompt_tokens is not None:
             prompt_token_ids = prompt_token_ids[-request.truncate_prompt_tokens :]

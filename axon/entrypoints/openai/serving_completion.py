@@ -93,21 +93,17 @@ class OpenAIServingCompletion(OpenAIServing):
             ticket.release()
 
     async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
-        truncating = request.truncate_prompt_tokens is not None
-        out = [
-            await self._prompt(item, request.add_special_tokens, truncating)
-            for item in _prompt_list(request.prompt)
-        ]
+        out = [await self._prompt(item, request.add_special_tokens) for item in _prompt_list(request.prompt)]
         if request.truncate_prompt_tokens is not None:
             for p in out:
                 p.token_ids = p.token_ids[-request.truncate_prompt_tokens :]
         return out
 
-    async def _prompt(self, item: str | list[int], add_special_tokens: bool, truncating: bool) -> _Prompt:
+    async def _prompt(self, item: str | list[int], add_special_tokens: bool) -> _Prompt:
         if not item:
             raise bad_request("the prompt is empty", param="prompt")
         if isinstance(item, str):
-            return _Prompt(item, await self.encode(item, add_special_tokens, "prompt", truncating))
+            return _Prompt(item, await self.encode(item, add_special_tokens, "prompt"))
         return _Prompt(None, list(item))
 
     def prompt_text(self, prompt: _Prompt) -> str:

@@ -192,11 +192,10 @@ class OpenAIServing:
         """``fn(*args)`` on the prompt pool, so that the event loop keeps serving meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self.ctx.prompt_pool, fn, *args)
 
-    async def encode(self, text: str, add_special_tokens: bool, what: str, truncating: bool) -> list[int]:
-        """Text -> token ids off the loop; ``truncating``: the request keeps only its last
-        tokens, so any length may be meant and only the body-size limit bounds it."""
-        if not truncating:
-            self.check_prompt_chars(len(text), what)
+    async def encode(self, text: str, add_special_tokens: bool, what: str) -> list[int]:
+        """Text -> token ids off the loop. The length bound holds with ``truncate_prompt_tokens``
+        too: tokenizing a text that long costs a worker seconds to minutes, whatever is kept."""
+        self.check_prompt_chars(len(text), what)
         return await self.off_loop(_encode, self.tokenizer, text, add_special_tokens)
 
     async def render_chat(
@@ -207,14 +206,12 @@ class OpenAIServing:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
-        truncating: bool = False,
     ) -> tuple[str, list[int]]:
         """Chat messages -> (prompt text, token ids) through the chat template, off the loop."""
         self.check_request_chat_template(chat_template)
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
-        max_chars = None if truncating else self.ctx.max_prompt_chars
-        if max_chars is not None:  # the messages alone already too long: no need to render
-            self.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+        # Messages already too long need no rendering; the rendered text is checked again.
+        self.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
         try:
             text, token_ids = await self.off_loop(
                 functools.partial(
@@ -226,7 +223,7 @@ class OpenAIServing:
                     continue_final_message,
                     chat_template_kwargs,
                     add_special_tokens,
-                    max_chars=max_chars,
+                    max_chars=self.ctx.max_prompt_chars,
                 )
             )
         except PromptTooLong as e:

@@ -26,7 +26,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 request.add_special_tokens,
             )
         else:
-            token_ids = await self.encode(request.prompt, request.add_special_tokens, "prompt", False)
+            token_ids = await self.encode(request.prompt, request.add_special_tokens, "prompt")
         token_strs = None
         if request.return_token_strs:
             token_strs = self.tokenizer.convert_ids_to_tokens(token_ids)
