@@ -93,6 +93,12 @@ def test_engine_death_turns_health_503_and_exits_non_zero() -> None:
             lines = r.iter_lines()
             next(lines)
             core.send_signal(signal.SIGKILL)
+            # From the kill on, /health is 200 (not yet delivered) or names the dead engine; never
+            # "still loading" (it once did for the 0.5 s the watcher took to notice).
+            codes = [_health_code(server)]
+            while codes[-1] != "engine_dead" and len(codes) < 200:
+                codes.append(_health_code(server))
+            assert set(codes) <= {"200", "engine_dead"} and codes[-1] == "engine_dead", codes
             rest = [line for line in lines if line.startswith("data: ")]
         assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"  # the stream says why it ended
         assert httpx.get(server.url + "/health").status_code == 503
@@ -101,6 +107,11 @@ def test_engine_death_turns_health_503_and_exits_non_zero() -> None:
         assert "the engine core process exited with code -9" in server.log()
     finally:
         server.stop()
+
+
+def _health_code(server: ServerProcess) -> str:
+    r = httpx.get(server.url + "/health", timeout=5)
+    return "200" if r.status_code == 200 else r.json()["error"]["code"]
 
 
 def _engine_core_child(pid: int) -> psutil.Process:
