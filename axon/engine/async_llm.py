@@ -4,11 +4,19 @@ the server's event loop; the EngineCore runs in its own process (``core_proc.py`
 ``generate()`` yields RequestOutputs as the core produces tokens; leaving the generator early
 (a client that disconnects) aborts the request, so its KV blocks are freed at once. If the
 core process dies, every pending request fails with ``EngineDeadError`` and ``errored`` is set.
+
+Liveness: the core sends a heartbeat every second from a thread of its own (``core_proc.py``).
+``health_problem()`` names a dead core (DEAD received, or its process gone, checked directly so
+there is no window in which a dead engine looks alive) or a stalled one (nothing heard for
+``heartbeat_timeout_s``: the process is stopped or frozen). Shutdown never waits on the core:
+SHUTDOWN is sent without blocking, the process is joined for a bounded time, then killed and
+reaped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -28,6 +36,8 @@ from axon.engine.core_proc import (
     ABORT,
     ADD,
     DEAD,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    HEARTBEAT,
     OUTPUTS,
     READY,
     SHUTDOWN,
@@ -45,6 +55,7 @@ from axon.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 600.0
+_SHUTDOWN_JOIN_S = 5.0  # a live core finishes its step and exits on SHUTDOWN well within this
 
 
 class EngineDeadError(RuntimeError):
@@ -57,8 +68,10 @@ class AsyncLLM:
         config: AxonConfig,
         stat_loggers: list[StatLogger] | None = None,
         chat_template: str | None = None,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
     ) -> None:
         self.config = config
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         assert config.model_config.tokenizer is not None, "resolve_config() sets the tokenizer"
         self.tokenizer = get_tokenizer(config.model_config.tokenizer, chat_template)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
@@ -78,6 +91,7 @@ class AsyncLLM:
         self._output = self._ctx.socket(zmq.PULL)
         self._process: multiprocessing.process.BaseProcess | None = None
         self._output_task: asyncio.Task[None] | None = None
+        self._last_heard = time.monotonic()  # of any message from the core
 
     # ---- life cycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -98,13 +112,17 @@ class AsyncLLM:
         if kind != READY:
             raise EngineDeadError(f"the engine core failed to start:\n{msgspec.msgpack.decode(payload)}")
         self.num_blocks = msgspec.msgpack.decode(payload)["num_blocks"]
+        self._last_heard = time.monotonic()
         self._output_task = asyncio.create_task(self._output_loop())
 
     async def _wait_ready(self) -> list[bytes]:
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if await self._output.poll(500):
-                return await self._output.recv_multipart()
+                message = await self._output.recv_multipart()
+                if message[0] != HEARTBEAT:  # the core beats while it loads
+                    return message
+                continue
             assert self._process is not None
             if not self._process.is_alive():
                 raise EngineDeadError(
@@ -113,19 +131,41 @@ class AsyncLLM:
         raise EngineDeadError(f"the engine core did not start within {_STARTUP_TIMEOUT_S:.0f} s")
 
     async def shutdown(self) -> None:
-        if self._process is not None and self._process.is_alive():
-            await self._input.send_multipart([SHUTDOWN, b""])
-            await asyncio.to_thread(self._process.join, 5.0)
-            if self._process.is_alive():
-                self._process.kill()
+        """Stop the core and reap its process, in bounded time whatever state the core is in."""
         if self._output_task is not None:
             self._output_task.cancel()
+        if self._process is not None:
+            if self._process.is_alive():
+                # A dead or stopped core never reads it: queue it (or drop it) without waiting.
+                with contextlib.suppress(zmq.Again):
+                    await self._input.send_multipart([SHUTDOWN, b""], flags=zmq.NOBLOCK)
+            await asyncio.to_thread(_stop_process, self._process, _SHUTDOWN_JOIN_S)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()
 
     def is_alive(self) -> bool:
-        return not self.errored and self._process is not None and self._process.is_alive()
+        return self.health_problem() is None
+
+    def health_problem(self) -> tuple[str, str] | None:
+        """``(code, message)`` when the core is dead or stalled; None while it is alive and heard."""
+        if self.errored:
+            return "engine_dead", f"The engine is dead: {self.dead_error}"
+        if self._process is None:
+            return "engine_dead", "The engine core is not running."
+        if not self._process.is_alive():
+            return "engine_dead", f"The engine is dead: {self._exit_message()}"
+        silent_s = time.monotonic() - self._last_heard
+        if silent_s > self.heartbeat_timeout_s:
+            return "engine_stalled", (
+                f"The engine core has not answered for {silent_s:.0f} s (bound "
+                f"{self.heartbeat_timeout_s:.0f} s, --engine-heartbeat-timeout): it is stalled."
+            )
+        return None
+
+    def _exit_message(self) -> str:
+        assert self._process is not None
+        return f"the engine core process exited with code {self._process.exitcode}"
 
     # ---- requests ----------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
@@ -185,6 +225,9 @@ class AsyncLLM:
         try:
             while True:
                 kind, payload = await self._output.recv_multipart()
+                self._last_heard = time.monotonic()
+                if kind == HEARTBEAT:
+                    continue
                 if kind == DEAD:
                     self._die(msgspec.msgpack.decode(payload))
                     return
@@ -224,18 +267,33 @@ class AsyncLLM:
             stat_logger.record(core_outputs.scheduler_stats, iteration)
 
     def _die(self, error: str) -> None:
+        """``error``: a reason or the core's traceback. The log gets it whole; clients, /health
+        and ``dead_error`` get its last line (the exception), never file paths and frames."""
         self.errored = True
-        self.dead_error = error
+        self.dead_error = error.strip().splitlines()[-1] if error.strip() else "unknown error"
         logger.error("engine core died: %s", error)
         for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(error))
+            queue.put_nowait(EngineDeadError(self.dead_error))
 
     async def watch_process(self) -> None:
-        """Turn a silent death of the core process (killed, crashed) into ``errored``."""
+        """Turn a silent death of the core process (killed, crashed) into ``errored``; once
+        dead either way, reap the process (it exits right after sending DEAD)."""
         while not self.errored:
             await asyncio.sleep(0.5)
             if self._process is not None and not self._process.is_alive():
                 # Give a DEAD message already on the wire a moment to arrive first.
                 await asyncio.sleep(0.2)
                 if not self.errored:
-                    self._die(f"the engine core process exited with code {self._process.exitcode}")
+                    self._die(self._exit_message())
+        if self._process is not None:
+            await asyncio.to_thread(_stop_process, self._process, _SHUTDOWN_JOIN_S)
+
+
+def _stop_process(process: multiprocessing.process.BaseProcess, join_s: float) -> None:
+    """Join ``process`` for ``join_s``, then kill it (SIGKILL also ends a stopped process) and
+    reap it, so that no zombie outlives the server."""
+    process.join(join_s)
+    if process.is_alive():
+        logger.warning("the engine core did not exit within %.0f s; killing it", join_s)
+        process.kill()
+    process.join()

@@ -2,8 +2,8 @@
 
 An embedding model is small and runs no decode loop, so it runs in the server process: the
 ``PoolingEngine`` is built and called on a worker thread (one batch at a time, under a lock),
-which keeps the event loop free. ``start``/``shutdown``/``is_alive``/``watch_process``/``errored``
-match ``AsyncLLM`` so the server's life cycle treats both alike. Each embedded prompt is one
+which keeps the event loop free. ``start``/``shutdown``/``is_alive``/``health_problem``/
+``watch_process``/``errored`` match ``AsyncLLM`` so the server's life cycle treats both alike. Each embedded prompt is one
 finished request for the stat loggers (vLLM counts pooling requests the same way): its prompt
 tokens, finish reason "stop", and its latency from arrival, waiting for the lock included.
 """
@@ -49,7 +49,16 @@ class AsyncPoolingLLM:
         self._stopped.set()
 
     def is_alive(self) -> bool:
-        return self._engine is not None and not self.errored
+        return self.health_problem() is None
+
+    def health_problem(self) -> tuple[str, str] | None:
+        """``(code, message)`` when the engine cannot serve. It runs on this process's threads,
+        so it cannot stall apart from the server: only a failed start or a shutdown count."""
+        if self.errored:
+            return "engine_dead", f"The engine is dead: {self.dead_error}"
+        if self._engine is None:
+            return "engine_dead", "The engine is not running."
+        return None
 
     async def watch_process(self) -> None:
         """Nothing to watch: the model lives in this process. Returns only at shutdown."""

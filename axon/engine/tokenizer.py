@@ -16,6 +16,14 @@ def get_tokenizer(path: str, chat_template: str | None = None) -> Any:
     return tokenizer
 
 
+class PromptTooLong(ValueError):
+    """The rendered prompt has more characters than the caller's bound (it was not tokenized)."""
+
+    def __init__(self, num_chars: int, max_chars: int) -> None:
+        super().__init__(f"the rendered prompt has {num_chars} characters, more than {max_chars}")
+        self.num_chars = num_chars
+
+
 def render_chat(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
@@ -24,9 +32,11 @@ def render_chat(
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
+    max_chars: int | None = None,
 ) -> tuple[str, list[int]]:
     """Messages -> (prompt text, token ids) through the chat template: the one way offline, the
-    CLI and the server render a conversation. Errors are ValueErrors that say what is wrong."""
+    CLI and the server render a conversation. Errors are ValueErrors that say what is wrong;
+    a text longer than ``max_chars`` raises ``PromptTooLong`` instead of being tokenized."""
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; pass chat_template")
     if continue_final_message and add_generation_prompt:
@@ -42,4 +52,6 @@ def render_chat(
         )
     except Exception as e:  # jinja2 errors (e.g. raise_exception in the template) are the caller's
         raise ValueError(f"the chat template failed on these messages: {e}") from e
+    if max_chars is not None and len(text) > max_chars:
+        raise PromptTooLong(len(text), max_chars)
     return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

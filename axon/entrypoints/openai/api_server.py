@@ -6,8 +6,12 @@ Life cycle:
     engine ready    -> "axon serving MODEL at http://HOST:PORT"; /health 200
     SIGTERM/Ctrl-C  -> stop accepting; in-flight requests are aborted (finish_reason "abort");
                        the engine core is shut down; exit 0
-    engine dies     -> /health 503 and new requests 503; in-flight ones fail with the engine's
-                       error; after a short grace the server exits 1
+    engine dies     -> /health 503 naming it at once and new requests 503; in-flight ones fail
+                       with the engine's error; after a short grace the server exits 1, the
+                       engine process reaped (shutdown never waits on a dead or stopped core)
+    engine stalls   -> /health 503 (engine_stalled) while no heartbeat came for
+                       --engine-heartbeat-timeout; 200 again if it resumes
+    second signal   -> exit at once (uvicorn's force exit), whatever is still draining
     engine fails to start -> the error is logged; exit 1
 """
 
@@ -119,9 +123,7 @@ class ServerState:
 
     async def _start_engine(self) -> None:
         try:
-            # An embedding model runs in this process; a generative one in an engine-core process.
-            engine_class = AsyncPoolingLLM if self.config.model_config.runner == "pooling" else AsyncLLM
-            self.engine = engine_class(self.config, self.stat_loggers, self.chat_template)
+            self.engine = self._make_engine()
             await self.engine.start()
         except Exception as e:  # noqa: BLE001 (any start-up failure ends the server, with its reason)
             logger.error("the engine failed to start: %s", e)
@@ -132,6 +134,17 @@ class ServerState:
         logger.info("axon serving %s at http://%s:%d", self.served_model_names[0], host, port)
         self.tasks.append(asyncio.create_task(self._supervise(self.engine)))
         self.tasks.append(asyncio.create_task(self._log_stats()))
+
+    def _make_engine(self) -> AsyncLLM | AsyncPoolingLLM:
+        # An embedding model runs in this process; a generative one in an engine-core process.
+        if self.config.model_config.runner == "pooling":
+            return AsyncPoolingLLM(self.config, self.stat_loggers)
+        return AsyncLLM(
+            self.config,
+            self.stat_loggers,
+            self.chat_template,
+            heartbeat_timeout_s=self.args.engine_heartbeat_timeout,
+        )
 
     def _make_servings(self, engine: AsyncLLM | AsyncPoolingLLM) -> Servings:
         m, s = self.config.model_config, self.config.scheduler_config
@@ -148,6 +161,7 @@ class ServerState:
             enable_auto_tool_choice=self.args.enable_auto_tool_choice,
             tool_call_parser=self.args.tool_call_parser,
             reasoning_parser=self.config.structured_outputs_config.reasoning_parser,
+            trust_request_chat_template=self.args.trust_request_chat_template,
         )
         return Servings(
             OpenAIServingChat(ctx),
@@ -189,18 +203,27 @@ class ServerState:
     async def shutdown(self) -> None:
         for task in self.tasks:
             task.cancel()
+        if self.servings is not None:
+            self.servings.ctx.prompt_pool.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
+            if self.engine.errored:  # a signal during the dead engine's grace: still a failure
+                self.exit_code = max(self.exit_code, 1)
             await self.engine.shutdown()
 
     # ---- state for routes ------------------------------------------------------------------
-    @property
-    def healthy(self) -> bool:
-        return (
-            self.servings is not None
-            and self.engine is not None
-            and self.engine.is_alive()
-            and not self.shutdown_event.is_set()
-        )
+    def health_problem(self) -> OpenAIError | None:
+        """Why /health is not 200. A dead or stalled engine is named first, even while it is
+        shutting the server down, so that a crash never reads as "loading" or "shutting down"."""
+        if self.engine is not None and self.servings is not None:
+            problem = self.engine.health_problem()
+            if problem is not None:
+                code, message = problem
+                return unavailable(message, code)
+        if self.shutdown_event.is_set():
+            return unavailable("The server is shutting down.", "shutting_down")
+        if self.servings is None:
+            return unavailable("The model is still loading.", "model_not_ready")
+        return None
 
     def require_servings(self, runner: str | None = None) -> Servings:
         """The servings, once the engine is ready; ``runner``: the endpoint's kind of model."""
@@ -238,10 +261,13 @@ class AxonServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            logger.info(
-                "received %s: aborting in-flight requests and shutting down", signal.Signals(sig).name
-            )
+        name = signal.Signals(sig).name
+        if self.should_exit:
+            # uvicorn forces an exit only on a second SIGINT; a supervisor sends SIGTERM twice.
+            logger.warning("received %s again: exiting without waiting for open connections", name)
+            self.force_exit = True
+        else:
+            logger.info("received %s: aborting in-flight requests and shutting down", name)
         super().handle_exit(sig, frame)
         self.state.begin_shutdown()
 
@@ -260,10 +286,12 @@ def build_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
     _add_routes(app, state)
     _document_400_not_422(app)
     _add_error_handlers(app)
+    # Starlette runs the last-added middleware first: CORS, then auth, then the body limit, so
+    # that an unauthenticated client is refused before the server reads (buffers) its body.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_size)
     key = cli_args.api_key(args)
     if key is not None:
         app.add_middleware(AuthMiddleware, api_key=key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_size)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=args.allowed_origins,
@@ -290,13 +318,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/ping")
     @app.post("/ping")
     async def health() -> Response:
-        if state.healthy:
-            return Response(status_code=HTTPStatus.OK)
-        if state.engine is not None and state.engine.errored:
-            return unavailable(f"The engine is dead: {state.engine.dead_error}", "engine_dead").response()
-        if state.shutdown_event.is_set():
-            return unavailable("The server is shutting down.", "shutting_down").response()
-        return unavailable("The model is still loading.", "model_not_ready").response()
+        problem = state.health_problem()
+        return Response(status_code=HTTPStatus.OK) if problem is None else problem.response()
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -336,7 +359,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest) -> Response:
-        return _json(state.require_servings().tokenization.tokenize(request))
+        return _json(await state.require_servings().tokenization.tokenize(request))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest) -> Response:

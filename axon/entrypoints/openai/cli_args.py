@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 
+from axon.engine.core_proc import DEFAULT_HEARTBEAT_TIMEOUT_S
+
 DEFAULT_MAX_REQUEST_BODY_SIZE = 32 * 1024 * 1024
 
 
@@ -36,6 +38,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--chat-template", default=None, help="a chat template: a file path or the template itself"
+    )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template sent in a request body (default: refused with 400, since a "
+        "template is code the server runs)",
+    )
+    g.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="/health answers 503 (engine_stalled) once the engine core has sent nothing, not even "
+        f"its 1 s heartbeat, for this long (default: {DEFAULT_HEARTBEAT_TIMEOUT_S:.0f})",
     )
     g.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
     g.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
@@ -85,6 +101,8 @@ def validate_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-waiting-requests must be non-negative, got {args.max_waiting_requests}")
     if args.max_request_body_size < 1:
         raise ValueError(f"--max-request-body-size must be positive, got {args.max_request_body_size}")
+    if args.engine_heartbeat_timeout <= 0:
+        raise ValueError(f"--engine-heartbeat-timeout must be positive, got {args.engine_heartbeat_timeout}")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be non-negative, got {args.max_log_len}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

@@ -50,7 +50,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_unsupported(request)
         _check_chat_unsupported(request)
         plan = plan_tools(request, self.ctx.enable_auto_tool_choice, self.ctx.tool_call_parser)
-        _, prompt_token_ids = self.render_chat(
+        _, prompt_token_ids = await self.render_chat(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,

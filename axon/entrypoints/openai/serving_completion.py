@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_unsupported(request)
         if request.suffix is not None:
             raise bad_request("suffix is not supported", param="suffix")
-        prompts = self._prompts(request)
+        prompts = await self._prompts(request)
         if request.echo and request.logprobs is not None and request.prompt_logprobs is None:
             request.prompt_logprobs = request.logprobs
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
@@ -92,18 +92,18 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             ticket.release()
 
-    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
-        out = [self._prompt(item, request.add_special_tokens) for item in _prompt_list(request.prompt)]
+    async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        out = [await self._prompt(item, request.add_special_tokens) for item in _prompt_list(request.prompt)]
         if request.truncate_prompt_tokens is not None:
             for p in out:
                 p.token_ids = p.token_ids[-request.truncate_prompt_tokens :]
         return out
 
-    def _prompt(self, item: str | list[int], add_special_tokens: bool) -> _Prompt:
+    async def _prompt(self, item: str | list[int], add_special_tokens: bool) -> _Prompt:
         if not item:
             raise bad_request("the prompt is empty", param="prompt")
         if isinstance(item, str):
-            return _Prompt(item, list(self.tokenizer.encode(item, add_special_tokens=add_special_tokens)))
+            return _Prompt(item, await self.encode(item, add_special_tokens, "prompt"))
         return _Prompt(None, list(item))
 
     def prompt_text(self, prompt: _Prompt) -> str:

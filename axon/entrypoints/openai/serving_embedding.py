@@ -27,9 +27,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         assert isinstance(engine, AsyncPoolingLLM)
         prompts = _prompts(request.input)
         params = _pooling_params(request)
-        try:
-            for prompt in prompts:  # every input is checked before any runs
-                engine.process(prompt, params)
+        try:  # every input is checked (tokenized, off the loop) before any runs
+            for prompt in prompts:
+                await self.off_loop(engine.process, prompt, params)
         except ValueError as e:
             raise bad_request(str(e), param=_param_of(str(e))) from e
         outputs = await engine.embed(prompts, [params] * len(prompts))

@@ -1,20 +1,28 @@
 """What every endpoint family shares: model names, admission (the bounded waiting queue),
 prompt checks with vLLM's messages, SamplingParams from a request, request logging, and
 ``OutputStream``, which runs engine generators so that a disconnect or a shutdown aborts them.
+
+Chat-template rendering and tokenization run on ``ServingContext.prompt_pool``, never on the
+event loop: one long prompt or heavy template must not freeze /health and every other client.
+A prompt with more characters than ``max_model_len`` tokens can hold is refused before it is
+tokenized, so a multi-megabyte prompt costs a length check, not seconds of tokenizer time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from axon.engine.async_llm import AsyncLLM
-from axon.engine.tokenizer import render_chat
+from axon.engine.tokenizer import PromptTooLong, render_chat
 from axon.entrypoints.openai.errors import bad_request, model_not_found, unavailable
 from axon.entrypoints.openai.protocol import ChatMessage, SamplingFields, UsageInfo
 from axon.entrypoints.openai.structured_outputs import structured_outputs_from_request
@@ -23,6 +31,15 @@ from axon.outputs import CompletionOutput, Logprob, RequestOutput
 from axon.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("axon.entrypoints.openai")
+
+T = TypeVar("T")
+
+
+def _prompt_pool() -> ThreadPoolExecutor:
+    """Threads for rendering and tokenizing, one per core: the tokenizers library releases the
+    GIL while it encodes, and a jinja render, which holds it, still yields it to the event loop
+    every switch interval (5 ms), so /health keeps answering within milliseconds."""
+    return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="axon-prompt")
 
 
 class Admission:
@@ -80,6 +97,16 @@ class ServingContext:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
+    prompt_pool: ThreadPoolExecutor = field(default_factory=_prompt_pool)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """An upper bound on the characters of a prompt that fits in ``max_model_len`` tokens:
+        no token stands for more characters than its vocabulary entry has (byte-level entries
+        have one character per byte, SentencePiece ones one per character)."""
+        vocab = self.engine.get_tokenizer().get_vocab()
+        return self.max_model_len * max(8, max(map(len, vocab), default=0))
 
 
 class ClientGone(Exception):
@@ -141,7 +168,37 @@ class OpenAIServing:
         raise bad_request(message, param=what, code="context_length_exceeded")
 
     # ---- prompts and parameters ------------------------------------------------------------
-    def render_chat(
+    def check_prompt_chars(self, num_chars: int, what: str) -> None:
+        """Refuse, before tokenizing, a prompt too long to fit in ``max_model_len`` tokens."""
+        if num_chars > self.ctx.max_prompt_chars:
+            raise bad_request(
+                f"The {what} has {num_chars} characters, more than {self.ctx.max_prompt_chars} "
+                f"({self.max_model_len} tokens, the model's maximum context length, of at most "
+                f"{self.ctx.max_prompt_chars // self.max_model_len} characters each). Please reduce "
+                f"the length of the {what}.",
+                param=what,
+                code="context_length_exceeded",
+            )
+
+    def check_request_chat_template(self, chat_template: str | None) -> None:
+        if chat_template is not None and not self.ctx.trust_request_chat_template:
+            raise bad_request(
+                "chat_template in a request is refused: a template is code the server runs. "
+                "The server's operator can allow it with --trust-request-chat-template.",
+                param="chat_template",
+            )
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the prompt pool, so that the event loop keeps serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.ctx.prompt_pool, fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool, what: str) -> list[int]:
+        """Text -> token ids off the loop. The length bound holds with ``truncate_prompt_tokens``
+        too: tokenizing a text that long costs a worker seconds to minutes, whatever is kept."""
+        self.check_prompt_chars(len(text), what)
+        return await self.off_loop(_encode, self.tokenizer, text, add_special_tokens)
+
+    async def render_chat(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
@@ -150,20 +207,31 @@ class OpenAIServing:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
-        """Chat messages -> (prompt text, token ids) through the chat template."""
+        """Chat messages -> (prompt text, token ids) through the chat template, off the loop."""
+        self.check_request_chat_template(chat_template)
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        # Messages already too long need no rendering; the rendered text is checked again.
+        self.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
         try:
-            return render_chat(
-                self.tokenizer,
-                conversation,
-                chat_template,
-                add_generation_prompt,
-                continue_final_message,
-                chat_template_kwargs,
-                add_special_tokens,
+            text, token_ids = await self.off_loop(
+                functools.partial(
+                    render_chat,
+                    self.tokenizer,
+                    conversation,
+                    chat_template,
+                    add_generation_prompt,
+                    continue_final_message,
+                    chat_template_kwargs,
+                    add_special_tokens,
+                    max_chars=self.ctx.max_prompt_chars,
+                )
             )
+        except PromptTooLong as e:
+            self.check_prompt_chars(e.num_chars, "messages")
+            raise
         except ValueError as e:
             raise bad_request(str(e), param="messages") from e
+        return text, token_ids
 
     def sampling_params(
         self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
@@ -302,6 +370,10 @@ class OutputStream:
 async def _wait_disconnect(raw_request: Request) -> None:
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:

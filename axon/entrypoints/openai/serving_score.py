@@ -23,8 +23,8 @@ class OpenAIServingScore(OpenAIServing):
         texts = {"text_1": _texts(request.text_1, "text_1"), "text_2": _texts(request.text_2, "text_2")}
         for name, side in texts.items():  # every text is checked before any runs
             for text in side:
-                try:
-                    engine.process(text, params)
+                try:  # tokenized off the loop
+                    await self.off_loop(engine.process, text, params)
                 except ValueError as e:
                     raise bad_request(f"{name}: {e}", param=name) from e
         try:

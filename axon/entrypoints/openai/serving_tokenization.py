@@ -14,10 +14,10 @@ from axon.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            _, token_ids = self.render_chat(
+            _, token_ids = await self.render_chat(
                 request.messages,
                 request.add_generation_prompt,
                 request.continue_final_message,
@@ -26,9 +26,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 request.add_special_tokens,
             )
         else:
-            token_ids = list(
-                self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-            )
+            token_ids = await self.encode(request.prompt, request.add_special_tokens, "prompt")
         token_strs = None
         if request.return_token_strs:
             token_strs = self.tokenizer.convert_ids_to_tokens(token_ids)
