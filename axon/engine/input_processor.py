@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from axon.config import ModelConfig
 from axon.engine.messages import EngineCoreRequest
-from axon.sampling_params import SamplingParams
+from axon.sampling_params import UINT64_MAX, EngineSamplingParams, SamplingParams
 from axon.structured_output.backend_xgrammar import validate_structured_outputs
 
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
@@ -54,27 +56,21 @@ class InputProcessor:
     ) -> list[EngineCoreRequest]:
         """One core request per sample of ``params.n``, all validated before any is returned.
 
-        Children get ids ``{index}_{request_id}`` and, when seeded, seeds ``seed + index``.
+        Children get ids ``{index}_{request_id}`` and, when seeded, seeds ``seed + index``
+        (wrapped into the seed's uint64 range).
         """
+        engine_params = self.engine_params(prompt_token_ids, params)
         if params.n == 1:
-            return [self.process(request_id, prompt_token_ids, params)]
-        children = []
-        for index in range(params.n):
-            child = params.clone()
-            child.n = 1
-            if params.seed is not None:
-                child.seed = params.seed + index
-            children.append(self.process(f"{index}_{request_id}", prompt_token_ids, child))
-        return children
+            return [self._request(request_id, prompt_token_ids, engine_params)]
+        return [
+            self._request(f"{index}_{request_id}", prompt_token_ids, _child_params(engine_params, index))
+            for index in range(params.n)
+        ]
 
-    def process(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
-    ) -> EngineCoreRequest:
+    def engine_params(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineSamplingParams:
+        """Every check that needs the model, then the engine's resolved record of ``params``."""
         self.validate_prompt(prompt_token_ids)
-        params = params.clone()
         room = self.max_model_len - len(prompt_token_ids)
-        if params.max_tokens is None:
-            params.max_tokens = room
         if params.min_tokens > room:
             raise ValueError(
                 f"min_tokens {params.min_tokens} cannot be reached: the prompt leaves {room} tokens "
@@ -84,9 +80,17 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name} {value} exceeds max_logprobs {self.max_logprobs}")
-        params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
+        return params.for_engine(self.eos_token_id, self.vocab_size, default_max_tokens=room)
+
+    def _request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: EngineSamplingParams,
+        cache_salt: str | None = None,
+    ) -> EngineCoreRequest:
         return EngineCoreRequest(
             req_id=req_id,
             prompt_token_ids=prompt_token_ids,
@@ -113,3 +117,13 @@ def validate_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def _child_params(params: EngineSamplingParams, index: int) -> EngineSamplingParams:
+    """Sample ``index`` of n: its own seed when seeded, so the samples differ but repeat."""
+    if params.seed is None:
+        return params
+    seed = params.seed + index
+    if seed > UINT64_MAX:
+        seed -= 2**64  # the same low 64 bits: torch's generator reads the seed modulo 2**64
+    return msgspec.structs.replace(params, seed=seed)
