@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -83,6 +84,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._validate()
+        for name in _FLOAT_FIELDS:  # numpy scalars pass validation; the engine's record wants floats
+            setattr(self, name, float(getattr(self, name)))
         if self.temperature < _GREEDY_EPS:
             # Greedy: the random knobs no longer apply.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -139,7 +142,7 @@ class SamplingParams:
         """Floats are finite and integers fit int64 (msgpack's range), whatever the field."""
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
         for name in _INT_FIELDS:
             value = getattr(self, name)

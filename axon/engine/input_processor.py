@@ -49,6 +49,7 @@ class InputProcessor:
     def _encode(self, text: str) -> list[int]:
         if not text:
             raise ValueError("the prompt is empty")
+        check_valid_unicode(text, "the prompt")  # the tokenizer would raise a TypeError naming nothing
         return list(self.tokenizer.encode(text))
 
     def process_n(
@@ -85,11 +86,7 @@ class InputProcessor:
         return params.for_engine(self.eos_token_id, self.vocab_size, default_max_tokens=room)
 
     def _request(
-        self,
-        req_id: str,
-        prompt_token_ids: list[int],
-        params: EngineSamplingParams,
-        cache_salt: str | None = None,
+        self, req_id: str, prompt_token_ids: list[int], params: EngineSamplingParams
     ) -> EngineCoreRequest:
         return EngineCoreRequest(
             req_id=req_id,
@@ -97,7 +94,6 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.time(),
-            cache_salt=cache_salt,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -108,6 +104,14 @@ class InputProcessor:
                 f"shorter, to leave room for at least one generated token"
             )
         validate_token_ids(prompt_token_ids, self.vocab_size)
+
+
+def check_valid_unicode(text: str, what: str) -> None:
+    """A ValueError if ``text`` holds a lone surrogate (JSON can carry one; UTF-8 cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate at character {e.start}: not valid Unicode") from None
 
 
 def validate_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:

@@ -74,6 +74,12 @@ def test_prompt_longer_than_max_model_len(llm: LLM) -> None:
     _engine_is_clean(llm)
 
 
+def test_lone_surrogate_in_prompt(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="lone surrogate"):
+        llm.generate("a\ud800b", use_tqdm=False)
+    _engine_is_clean(llm)
+
+
 def test_token_id_outside_vocabulary(llm: LLM) -> None:
     with pytest.raises(ValueError, match="49152"):
         llm.generate({"prompt_token_ids": [1, 10**6]}, use_tqdm=False)

@@ -166,3 +166,12 @@ core_outputs = st.builds(
 def test_engine_core_outputs_round_trip(outputs: EngineCoreOutputs) -> None:
     _, payload = encode(OUTPUTS, outputs)
     assert decode_outputs(payload) == outputs
+
+
+def test_numpy_floats_become_floats_before_the_wire() -> None:
+    import numpy as np
+
+    params = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), max_tokens=4)
+    engine_params = params.for_engine(EOS, VOCAB, default_max_tokens=8)
+    decoded = round_trip_request(EngineCoreRequest("r", [1], engine_params, EOS, 0.0))
+    assert decoded.sampling_params.temperature == 0.5 and type(decoded.sampling_params.temperature) is float

@@ -21,6 +21,8 @@ from pydantic import (
     model_serializer,
 )
 
+from axon.engine.input_processor import check_valid_unicode
+
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
@@ -46,10 +48,7 @@ class RequestModel(OpenAIBaseModel):
 
 def _check_unicode(value: Any) -> None:
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"holds a lone surrogate at character {e.start}: not valid Unicode") from None
+        check_valid_unicode(value, "the text")
     elif isinstance(value, list | tuple):
         for item in value:
             _check_unicode(item)
