@@ -1,4 +1,5 @@
-"""SamplingParams: vLLM's per-request generation options, validated where they are made.
+"""SamplingParams: vLLM's per-request generation options, validated where they are made; and
+EngineSamplingParams: the engine's resolved record of them, the one that crosses into the core.
 
 Pure Python (no torch), so that the core and the process boundary can carry it.
 """
@@ -6,15 +7,31 @@ Pure Python (no torch), so that the core and the process boundary can carry it.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import IntEnum
+
+import msgspec
 
 from axon.structured_output.params import StructuredOutputsParams
 
-__all__ = ["RequestOutputKind", "SamplingParams", "SamplingType", "StructuredOutputsParams"]
+__all__ = [
+    "EngineSamplingParams",
+    "RequestOutputKind",
+    "SamplingParams",
+    "SamplingType",
+    "StructuredOutputsParams",
+]
 
 # Temperatures below this are treated as greedy (vLLM uses the same cut-off).
 _GREEDY_EPS = 1e-5
+# Integers cross the process boundary as msgpack int64; a seed may also use uint64's range,
+# which is what torch.Generator.manual_seed accepts.
+INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+# OpenAI's range for logit_bias values.
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class SamplingType(IntEnum):
@@ -53,8 +70,6 @@ class SamplingParams:
     detokenize: bool = True
     # JSON schema, regex, choice, grammar or structural tag the output must match.
     structured_outputs: StructuredOutputsParams | None = None
-    # Filled by the input processor, not by users.
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -69,15 +84,17 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._validate()
+        for name in _FLOAT_FIELDS:  # numpy scalars pass validation; the engine's record wants floats
+            setattr(self, name, float(getattr(self, name)))
         if self.temperature < _GREEDY_EPS:
             # Greedy: the random knobs no longer apply.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
 
+        self._validate_ranges(bad)
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be at least 1")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -104,26 +121,48 @@ class SamplingParams:
             raise bad("logprobs", "must be non-negative")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", "must be non-negative")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None and not (
+            isinstance(self.seed, int) and INT64_MIN <= self.seed <= UINT64_MAX
+        ):
+            raise bad("seed", f"must be an integer in [{INT64_MIN}, {UINT64_MAX}]")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        for value in (self.logit_bias or {}).values():
+            if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:  # NaN fails too
+                raise bad(
+                    "logit_bias", f"values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]"
+                )
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
+    def _validate_ranges(self, bad: Callable[[str, str], ValueError]) -> None:
+        """Floats are finite and integers fit int64 (msgpack's range), whatever the field."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+                raise bad(name, f"must be in [{INT64_MIN}, {INT64_MAX}]")
+
     @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature < _GREEDY_EPS:
-            return SamplingType.GREEDY
-        if self.seed is not None:
-            return SamplingType.RANDOM_SEED
-        return SamplingType.RANDOM
+        return _sampling_type(self.temperature, self.seed)
 
-    def update_from_tokenizer(self, eos_token_id: int | None, vocab_size: int) -> None:
-        """Resolve the stop-token set and check token ids against the vocabulary."""
+    def for_engine(
+        self, eos_token_id: int | None, vocab_size: int, default_max_tokens: int
+    ) -> EngineSamplingParams:
+        """The engine's record of these options (one sample), resolved against the model.
+
+        Token ids are checked against the vocabulary; ``max_tokens`` falls back to
+        ``default_max_tokens`` (what the context leaves); EOS joins the stop ids unless
+        ``ignore_eos``. Raises ``ValueError`` naming the field.
+        """
+        assert self.stop_token_ids is not None, "__post_init__ makes it a list"
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or {})),
@@ -133,9 +172,27 @@ class SamplingParams:
                     raise ValueError(
                         f"{name} holds token id {tok}, outside the vocabulary [0, {vocab_size})."
                     )
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        stop_ids = set(self.stop_token_ids)
         if eos_token_id is not None and not self.ignore_eos:
-            self.all_stop_token_ids.add(eos_token_id)
+            stop_ids.add(eos_token_id)
+        return EngineSamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            all_stop_token_ids=frozenset(stop_ids),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            structured_outputs=copy.deepcopy(self.structured_outputs),
+        )
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -145,3 +202,56 @@ class RequestOutputKind(IntEnum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+_FLOAT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+)
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+
+
+def _sampling_type(temperature: float, seed: int | None) -> SamplingType:
+    if temperature < _GREEDY_EPS:
+        return SamplingType.GREEDY
+    if seed is not None:
+        return SamplingType.RANDOM_SEED
+    return SamplingType.RANDOM
+
+
+class EngineSamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the engine (scheduler, worker, sampler, grammar manager) reads of one sample's options.
+
+    Built by ``SamplingParams.for_engine`` in the front end from validated options, with what
+    needs the model already resolved: ``max_tokens`` is filled and ``all_stop_token_ids`` holds
+    EOS (unless ``ignore_eos``) and the user's stop ids. It crosses into the engine-core process
+    inside ``EngineCoreRequest``. Invariant: a plain record with no ``__post_init__`` (msgspec
+    re-runs that on decode), so decoding gives back exactly what was encoded and derives nothing.
+    The front end keeps the user's ``SamplingParams`` (stop strings, detokenizing) for itself.
+    """
+
+    max_tokens: int
+    all_stop_token_ids: frozenset[int]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    # Its __post_init__ only normalizes user input idempotently, so its round trip is exact too.
+    structured_outputs: StructuredOutputsParams | None = None
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        return _sampling_type(self.temperature, self.seed)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from axon.sampling_params import SamplingParams
+from axon.sampling_params import EngineSamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -76,7 +76,7 @@ class Request:
         self,
         req_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: EngineSamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
@@ -110,8 +110,7 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        assert self.sampling_params.max_tokens is not None, "max_tokens is resolved by the input processor"
-        return self.sampling_params.max_tokens
+        return self.sampling_params.max_tokens  # resolved by the input processor
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from axon.sampling_params import SamplingParams
+from axon.sampling_params import EngineSamplingParams
 
 
 @dataclass
@@ -20,7 +20,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     # Tokens generated before a preemption (empty for a fresh request).
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: EngineSamplingParams
     block_ids: list[int]
     num_computed_tokens: int
 

@@ -181,22 +181,29 @@ class AsyncLLM:
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> AsyncIterator[RequestOutput]:
-        """Validate (ValueError before anything is queued), then stream this request's outputs."""
+        """Validate (ValueError before anything is queued), then stream this request's outputs.
+
+        ``request_id`` is the caller's (a client may send any, twice at once); the engine's id
+        is made unique by a suffix from this engine's counter, and is the ``request_id`` of the
+        RequestOutputs yielded.
+        """
         if self.errored:
             raise EngineDeadError(self.dead_error or "the engine core is not running")
-        request_id = request_id or f"req-{next(self._counter)}"
+        request_id = f"{request_id or 'req'}-{next(self._counter)}"
         text, prompt_token_ids = self.input_processor.tokenize(prompt)
         children = self.input_processor.process_n(request_id, prompt_token_ids, params)
+        self.output_processor.check_new_ids([c.req_id for c in children])
+        frames = [encode(ADD, child) for child in children]
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         parent = ParentRequest(request_id, text, prompt_token_ids, params.n, output_kind)
         self._queues[request_id] = queue
         self._children[request_id] = [c.req_id for c in children]
-        for index, child in enumerate(children):
-            self.output_processor.add_request(parent, child.req_id, index, child.sampling_params)
+        for index, (child, frame) in enumerate(zip(children, frames, strict=True)):
+            self.output_processor.add_request(parent, child.req_id, index, params)
             self._times[child.req_id] = RequestTimes(
                 child.arrival_time, len(prompt_token_ids), child.sampling_params.max_tokens, params.n
             )
-            await self._input.send_multipart(encode(ADD, child))
+            await self._input.send_multipart(frame)
         finished = False
         try:
             while not finished:

@@ -59,6 +59,10 @@ def decode_outputs(frame: bytes) -> EngineCoreOutputs:
     return _outputs_decoder.decode(frame)
 
 
+def decode_request(frame: bytes) -> EngineCoreRequest:
+    return _request_decoder.decode(frame)
+
+
 def run_engine_core(config: AxonConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the engine-core process (started with the spawn method)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
@@ -149,7 +153,7 @@ def _loop(core: Any, inp: zmq.Socket, out: zmq.Socket, step: Callable[[], Engine
             if kind == SHUTDOWN:
                 return
             if kind == ADD:
-                core.add_request(_request_decoder.decode(payload))
+                core.add_request(decode_request(payload))
             elif kind == ABORT:
                 core.abort_requests(msgspec.msgpack.decode(payload))
                 # Report the freed KV at once, even if no step follows.

@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from axon.config import ModelConfig
 from axon.engine.messages import EngineCoreRequest
-from axon.sampling_params import SamplingParams
+from axon.sampling_params import UINT64_MAX, EngineSamplingParams, SamplingParams
 from axon.structured_output.backend_xgrammar import validate_structured_outputs
 
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
@@ -47,6 +49,7 @@ class InputProcessor:
     def _encode(self, text: str) -> list[int]:
         if not text:
             raise ValueError("the prompt is empty")
+        check_valid_unicode(text, "the prompt")  # the tokenizer would raise a TypeError naming nothing
         return list(self.tokenizer.encode(text))
 
     def process_n(
@@ -54,27 +57,21 @@ class InputProcessor:
     ) -> list[EngineCoreRequest]:
         """One core request per sample of ``params.n``, all validated before any is returned.
 
-        Children get ids ``{index}_{request_id}`` and, when seeded, seeds ``seed + index``.
+        Children get ids ``{index}_{request_id}`` and, when seeded, seeds ``seed + index``
+        (wrapped into the seed's uint64 range).
         """
+        engine_params = self.engine_params(prompt_token_ids, params)
         if params.n == 1:
-            return [self.process(request_id, prompt_token_ids, params)]
-        children = []
-        for index in range(params.n):
-            child = params.clone()
-            child.n = 1
-            if params.seed is not None:
-                child.seed = params.seed + index
-            children.append(self.process(f"{index}_{request_id}", prompt_token_ids, child))
-        return children
+            return [self._request(request_id, prompt_token_ids, engine_params)]
+        return [
+            self._request(f"{index}_{request_id}", prompt_token_ids, _child_params(engine_params, index))
+            for index in range(params.n)
+        ]
 
-    def process(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
-    ) -> EngineCoreRequest:
+    def engine_params(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineSamplingParams:
+        """Every check that needs the model, then the engine's resolved record of ``params``."""
         self.validate_prompt(prompt_token_ids)
-        params = params.clone()
         room = self.max_model_len - len(prompt_token_ids)
-        if params.max_tokens is None:
-            params.max_tokens = room
         if params.min_tokens > room:
             raise ValueError(
                 f"min_tokens {params.min_tokens} cannot be reached: the prompt leaves {room} tokens "
@@ -84,16 +81,19 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name} {value} exceeds max_logprobs {self.max_logprobs}")
-        params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
+        return params.for_engine(self.eos_token_id, self.vocab_size, default_max_tokens=room)
+
+    def _request(
+        self, req_id: str, prompt_token_ids: list[int], params: EngineSamplingParams
+    ) -> EngineCoreRequest:
         return EngineCoreRequest(
             req_id=req_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.time(),
-            cache_salt=cache_salt,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -106,6 +106,14 @@ class InputProcessor:
         validate_token_ids(prompt_token_ids, self.vocab_size)
 
 
+def check_valid_unicode(text: str, what: str) -> None:
+    """A ValueError if ``text`` holds a lone surrogate (JSON can carry one; UTF-8 cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate at character {e.start}: not valid Unicode") from None
+
+
 def validate_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
     """The checks every prompt passes, generated from or embedded: not empty, in the vocabulary."""
     if not prompt_token_ids:
@@ -113,3 +121,13 @@ def validate_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def _child_params(params: EngineSamplingParams, index: int) -> EngineSamplingParams:
+    """Sample ``index`` of n: its own seed when seeded, so the samples differ but repeat."""
+    if params.seed is None:
+        return params
+    seed = params.seed + index
+    if seed > UINT64_MAX:
+        seed -= 2**64  # the same low 64 bits: torch's generator reads the seed modulo 2**64
+    return msgspec.structs.replace(params, seed=seed)

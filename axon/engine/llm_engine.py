@@ -40,11 +40,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._counter))
         text, prompt_token_ids = self.input_processor.tokenize(prompt)
         children = self.input_processor.process_n(request_id, prompt_token_ids, params)
+        self.output_processor.check_new_ids([c.req_id for c in children])
         parent = ParentRequest(request_id, text, prompt_token_ids, params.n, output_kind)
         for index, core_request in enumerate(children):
-            self.output_processor.add_request(
-                parent, core_request.req_id, index, core_request.sampling_params
-            )
+            self.output_processor.add_request(parent, core_request.req_id, index, params)
             self.engine_core.add_request(core_request)
         self._child_ids[request_id] = [c.req_id for c in children]
         return request_id

@@ -50,6 +50,13 @@ class OutputProcessor:
         self.children: dict[str, ChildState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
+    def check_new_ids(self, child_ids: list[str]) -> None:
+        """The engine core takes an id only once while it runs: a reused one is the caller's
+        error (ValueError), never an engine-core crash."""
+        for child_id in child_ids:
+            if child_id in self.children:
+                raise ValueError(f"request id {child_id!r} is already in use by an unfinished request")
+
     def add_request(self, parent: ParentRequest, child_id: str, index: int, params: SamplingParams) -> None:
         self.parents[parent.request_id] = parent
         self.children[child_id] = ChildState(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from axon.sample.grammar import GrammarBitmask
-from axon.sampling_params import SamplingParams, SamplingType
+from axon.sampling_params import EngineSamplingParams, SamplingType
 
 
 @dataclass
@@ -58,7 +58,7 @@ class SamplingMetadata:
 
 
 def build_sampling_metadata(
-    params: list[SamplingParams],
+    params: list[EngineSamplingParams],
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
     generators: list[torch.Generator | None],
@@ -119,7 +119,7 @@ def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tens
 
 
 def _logit_bias(
-    params: list[SamplingParams], device: torch.device
+    params: list[EngineSamplingParams], device: torch.device
 ) -> list[tuple[int, torch.Tensor, torch.Tensor]] | None:
     out = [
         (

@@ -1,6 +1,6 @@
 """StructuredOutputsParams: what one request's output must match (vLLM's names and fields).
 
-Pure Python (no xgrammar, no torch): it rides inside SamplingParams across the process
+Pure Python (no xgrammar, no torch): it rides inside SamplingParams, and inside EngineSamplingParams across the process
 boundary. Exactly one constraint is set; ``kind_and_spec`` turns it into the (kind, spec text)
 pair that names the compiled grammar in the cache.
 """

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from axon.core.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
-from axon.sampling_params import SamplingParams, SamplingType
+from axon.sampling_params import EngineSamplingParams, SamplingType
 
 
 @dataclass
@@ -20,7 +20,7 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: EngineSamplingParams
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None

@@ -17,7 +17,7 @@ from axon.core.kv_cache_utils import (
     max_concurrency,
 )
 from axon.core.request import Request
-from axon.sampling_params import SamplingParams
+from axon.sampling_params import EngineSamplingParams
 
 BLOCK_SIZE = 4
 
@@ -30,7 +30,7 @@ def make_request(req_id: str, token_ids: list[int], cache_salt: str | None = Non
     return Request(
         req_id,
         token_ids,
-        SamplingParams(max_tokens=8),
+        EngineSamplingParams(max_tokens=8, all_stop_token_ids=frozenset()),
         cache_salt=cache_salt,
         block_hasher=make_block_hasher(BLOCK_SIZE),
     )

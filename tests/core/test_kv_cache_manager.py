@@ -13,7 +13,7 @@ from axon.core.block_pool import KVCacheBlock
 from axon.core.kv_cache_manager import KVCacheManager
 from axon.core.kv_cache_utils import make_block_hasher
 from axon.core.request import Request
-from axon.sampling_params import SamplingParams
+from axon.sampling_params import EngineSamplingParams
 
 BLOCK_SIZE = 4
 HASHER = make_block_hasher(BLOCK_SIZE)
@@ -22,7 +22,9 @@ HASHER = make_block_hasher(BLOCK_SIZE)
 def make_request(
     req_id: str, token_ids: list[int], cache_salt: str | None = None, prompt_logprobs: int | None = None
 ) -> Request:
-    params = SamplingParams(max_tokens=64, prompt_logprobs=prompt_logprobs)
+    params = EngineSamplingParams(
+        max_tokens=64, all_stop_token_ids=frozenset(), prompt_logprobs=prompt_logprobs
+    )
     return Request(req_id, token_ids, params, cache_salt=cache_salt, block_hasher=HASHER)
 
 

@@ -69,8 +69,7 @@ def make_request(
 ) -> Request:
     params = SamplingParams(
         max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, min_tokens=min_tokens
-    )
-    params.update_from_tokenizer(EOS, VOCAB)  # as the input processor does: fills all_stop_token_ids
+    ).for_engine(EOS, VOCAB, default_max_tokens=max_tokens)  # as the input processor does
     return Request(
         req_id, prompt_token_ids, params, eos_token_id=EOS, block_hasher=make_block_hasher(block_size)
     )

@@ -31,6 +31,21 @@ def llm(smollm2_path: str) -> LLM:
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"stop": [""]}, "stop"),
+        # Integers past msgpack's int64 (uint64 for a seed) and non-finite floats.
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**70}, "top_k"),
+        ({"n": 2**63}, "n"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        ({"logit_bias": {5: -1e9}}, "logit_bias"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params_name_the_value(kwargs: dict, names: str) -> None:
@@ -56,6 +71,12 @@ def test_empty_prompt(llm: LLM) -> None:
 def test_prompt_longer_than_max_model_len(llm: LLM) -> None:
     with pytest.raises(ValueError, match="max_model_len is 64"):
         llm.generate({"prompt_token_ids": [42] * 64}, use_tqdm=False)
+    _engine_is_clean(llm)
+
+
+def test_lone_surrogate_in_prompt(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="lone surrogate"):
+        llm.generate("a\ud800b", use_tqdm=False)
     _engine_is_clean(llm)
 
 
@@ -137,3 +158,22 @@ def test_cli_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli_main(["generate", "hi", "--no-such-flag"])
     assert exc.value.code == 2
+
+
+def test_extreme_seeds_run(llm: LLM) -> None:
+    """The ends of the seed range are accepted, n > 1 children past uint64 wrap, and nothing fails."""
+    for seed in (-(2**63), 2**64 - 1):
+        params = SamplingParams(n=2, seed=seed, max_tokens=2, temperature=1.0)
+        out = llm.generate("hi", params, use_tqdm=False)
+        assert [len(c.token_ids) for c in out[0].outputs] == [2, 2]
+    _engine_is_clean(llm)
+
+
+def test_reused_request_id_is_a_value_error(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("hi", SamplingParams(max_tokens=2), request_id="same")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("hi", SamplingParams(max_tokens=2), request_id="same")
+    while engine.has_unfinished_requests():
+        engine.step()
+    _engine_is_clean(llm)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from axon.platforms.cpu_kernels import load_cpu_kernels
 from axon.sample.logprobs import compute_logprobs, to_lists
 from axon.sample.metadata import SamplingMetadata, build_sampling_metadata
-from axon.platforms.cpu_kernels import load_cpu_kernels
 from axon.sample.sampler import Sampler, apply_logits_processors, argmax
-from axon.sampling_params import SamplingParams
+from axon.sampling_params import EngineSamplingParams, SamplingParams
 
 CPU = torch.device("cpu")
 # Ten distinct logits in no particular order, so that index order and rank order differ.
@@ -21,7 +21,7 @@ NUM_DRAWS = 20_000
 
 
 def metadata(
-    params: list[SamplingParams],
+    params: list[SamplingParams] | list[EngineSamplingParams],
     vocab_size: int,
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
@@ -29,13 +29,20 @@ def metadata(
 ) -> SamplingMetadata:
     n = len(params)
     return build_sampling_metadata(
-        params,
+        [p if isinstance(p, EngineSamplingParams) else engine_params(p) for p in params],
         prompts if prompts is not None else [[] for _ in range(n)],
         outputs if outputs is not None else [[] for _ in range(n)],
         generators if generators is not None else [None] * n,
         vocab_size,
         CPU,
     )
+
+
+def engine_params(
+    params: SamplingParams, eos_token_id: int | None = None, vocab_size: int = 1000
+) -> EngineSamplingParams:
+    """The engine's record of ``params``, as the input processor builds it."""
+    return params.for_engine(eos_token_id, vocab_size, default_max_tokens=16)
 
 
 def draw(
@@ -322,8 +329,7 @@ def test_logit_bias_adds_and_forces_a_token() -> None:
 
 
 def test_min_tokens_masks_stop_tokens_until_reached() -> None:
-    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7])
-    params.update_from_tokenizer(eos_token_id=9, vocab_size=10)
+    params = engine_params(SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]), 9, 10)
     logits = torch.zeros(1, 10)
     logits[0, 9], logits[0, 7], logits[0, 3] = 3.0, 2.0, 1.0
     sampler = Sampler()
@@ -336,8 +342,9 @@ def test_min_tokens_masks_stop_tokens_until_reached() -> None:
 
 
 def test_min_tokens_with_ignore_eos_masks_only_stop_ids() -> None:
-    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7], ignore_eos=True)
-    params.update_from_tokenizer(eos_token_id=9, vocab_size=10)
+    params = engine_params(
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7], ignore_eos=True), 9, 10
+    )
     assert metadata([params], 10, outputs=[[]]).min_tokens == {0: {7}}
 
 

@@ -6,7 +6,9 @@ This module's server runs with an API key, two served model names, an inline cha
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -82,6 +84,25 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "Hi", "model": "nope", "stream": True}, 404, "model"),
     ("/v1/embeddings", {"input": "Hi"}, 400, None),  # a generative model: needs --runner pooling
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    # Integers msgpack cannot carry into the engine core, and values no sampler can use.
+    (CHAT, {"messages": USER, "seed": 2**64}, 400, "seed"),
+    (COMPLETIONS, {"prompt": "Hi", "seed": -(2**63) - 1}, 400, "seed"),
+    (COMPLETIONS, {"prompt": "Hi", "top_k": 2**70}, 400, "top_k"),
+    (CHAT, {"messages": USER, "temperature": float("inf")}, 400, "temperature"),
+    (CHAT, {"messages": USER, "top_p": float("nan")}, 400, "top_p"),
+    (COMPLETIONS, {"prompt": "Hi", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": float("nan")}}, 400, "logit_bias.5"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": float("-inf")}}, 400, "logit_bias.5"),
+    (CHAT, {"messages": USER, "logit_bias": {"5": 1e9}}, 400, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"5": -100.5}}, 400, "logit_bias"),
+    # n is capped at --max-num-seqs (16 here), never a 503 "retry later" nor minutes of work.
+    (CHAT, {"messages": USER, "n": 1000}, 400, "n"),
+    (COMPLETIONS, {"prompt": "Hi", "n": 17, "stream": True}, 400, "n"),
+    # Lone surrogates: JSON can carry them, UTF-8 cannot.
+    (COMPLETIONS, {"prompt": "\ud800"}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a\ud800b"}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages.0.content"),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages.0.content"),
 ]
 
 
@@ -97,9 +118,14 @@ def assert_still_serving(http: httpx.Client) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def post_raw(http: httpx.Client, path: str, body: dict) -> httpx.Response:
+    """Python's JSON, which writes NaN, Infinity and lone surrogates (as "\\ud800") as clients can."""
+    return http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
 def test_bad_request(http: httpx.Client, path: str, body: dict, status: int, param: str | None) -> None:
-    error = assert_openai_error(http.post(path, json=body), status)
+    error = assert_openai_error(post_raw(http, path, body), status)
     if param is not None:
         assert error["param"] == param
     assert_still_serving(http)
@@ -172,3 +198,23 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     assert api_key(argparse.Namespace(api_key=None)) == "from-env"
     assert api_key(argparse.Namespace(api_key="flag")) == "flag"
+
+
+def test_same_request_id_twice_at_once(http: httpx.Client, server: ServerProcess) -> None:
+    """A client's request_id is its own business: the engine's ids stay unique, both succeed."""
+    body = {"messages": USER, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "request_id": "dup"}
+    paths = [CHAT, CHAT, COMPLETIONS, COMPLETIONS]
+    bodies = [body, {**body, "stream": True}, {"prompt": "Hi", **body}, {"prompt": "Hi", **body}]
+    bodies[2].pop("messages")
+    bodies[3].pop("messages")
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda pb: http.post(pb[0], json=pb[1], timeout=120), zip(paths, bodies)))
+    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    assert responses[0].json()["id"] == "chatcmpl-dup"  # the client's id stays visible
+    assert responses[2].json()["id"] == responses[3].json()["id"] == "cmpl-dup"
+    assert all(
+        r.json()["usage"]["completion_tokens"] == 8 for r in (responses[0], responses[2], responses[3])
+    )
+    assert "data: [DONE]" in responses[1].text and '"error"' not in responses[1].text
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert_still_serving(http)

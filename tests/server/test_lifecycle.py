@@ -101,6 +101,12 @@ def test_engine_death_turns_health_503_and_exits_non_zero() -> None:
             assert set(codes) <= {"200", "engine_dead"} and codes[-1] == "engine_dead", codes
             rest = [line for line in lines if line.startswith("data: ")]
         assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"  # the stream says why it ended
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]  # the shape of a non-streamed error
+        assert (
+            error["code"] == "engine_dead"
+            and error["type"] == "server_error"
+            and "error id" in error["message"]
+        )
         assert httpx.get(server.url + "/health").status_code == 503
         rc = server.proc.wait(timeout=10)
         assert rc != 0

@@ -39,10 +39,10 @@ def make_manager(smollm2_path: str, **kwargs) -> StructuredOutputManager:
 
 
 def make_request(req_id: str, tokenizer, prompt: str = "JSON:", **so) -> Request:
-    params = SamplingParams(temperature=0, max_tokens=64)
-    if so:
-        params.structured_outputs = StructuredOutputsParams(**so)
-    params.update_from_tokenizer(tokenizer.eos_token_id, VOCAB)
+    structured_outputs = StructuredOutputsParams(**so) if so else None
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=structured_outputs).for_engine(
+        tokenizer.eos_token_id, VOCAB, default_max_tokens=64
+    )
     return Request(req_id, tokenizer.encode(prompt), params, eos_token_id=tokenizer.eos_token_id)
 
 

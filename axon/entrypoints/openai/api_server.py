@@ -40,12 +40,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import axon
 from axon.config import AxonConfig
-from axon.engine.async_llm import AsyncLLM, EngineDeadError
+from axon.engine.async_llm import AsyncLLM
 from axon.engine.async_pooling import AsyncPoolingLLM
 from axon.entrypoints.openai import cli_args
-from axon.entrypoints.openai.errors import OpenAIError, internal_error, unavailable
+from axon.entrypoints.openai.errors import OpenAIError, from_exception, unavailable
 from axon.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
 from axon.entrypoints.openai.protocol import (
+    UNION_TAGS,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -408,16 +409,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def client_gone(_: Request, e: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> Response:
-        error = internal_error(f"The engine died while serving this request: {e}")
-        error.code = "engine_dead"
-        return error.response()
-
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> Response:
-        logger.exception("unexpected error while serving a request")
-        return internal_error(f"Internal server error: {e!r}").response()
+    async def unexpected(_: Request, e: Exception) -> Response:  # the engine's death included
+        return from_exception(e).response()
 
 
 def _validation_error(e: RequestValidationError) -> OpenAIError:
@@ -426,7 +420,7 @@ def _validation_error(e: RequestValidationError) -> OpenAIError:
     for err in e.errors():
         if err.get("type") == "json_invalid":
             return OpenAIError(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
-        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+        loc = [str(part) for part in err.get("loc", ()) if part != "body" and part not in UNION_TAGS]
         where = ".".join(loc) or "body"
         param = param or (where if loc else None)
         problems.append(f"{where}: {err.get('msg', 'invalid')}")

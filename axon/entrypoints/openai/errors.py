@@ -6,10 +6,16 @@ turn it, FastAPI's validation errors and Starlette's HTTP errors into the same J
 
 from __future__ import annotations
 
+import logging
+import uuid
 from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+from axon.engine.async_llm import EngineDeadError
+
+logger = logging.getLogger("axon.entrypoints.openai")
 
 
 class OpenAIError(Exception):
@@ -59,3 +65,21 @@ def unavailable(message: str, code: str, retry_after_s: int = 1) -> OpenAIError:
 
 def internal_error(message: str) -> OpenAIError:
     return OpenAIError(message, HTTPStatus.INTERNAL_SERVER_ERROR, type="server_error", code="internal_error")
+
+
+def from_exception(e: Exception) -> OpenAIError:
+    """The error a client sees for an exception no check anticipated, in a response or a stream.
+
+    Invariant: no traceback, exception text or file path reaches a client; the log keeps them,
+    under an error id that the message gives.
+    """
+    if isinstance(e, OpenAIError):
+        return e
+    error_id = uuid.uuid4().hex[:12]
+    if isinstance(e, EngineDeadError):
+        logger.error("error %s: the engine died while serving a request", error_id)
+        error = internal_error(f"The engine died while serving this request (error id {error_id}).")
+        error.code = "engine_dead"
+        return error
+    logger.error("error %s: unexpected error while serving a request", error_id, exc_info=e)
+    return internal_error(f"Internal server error (error id {error_id}).")

@@ -8,9 +8,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    Tag,
+    field_validator,
+    model_serializer,
+)
+
+from axon.engine.input_processor import check_valid_unicode
 
 
 def random_uuid() -> str:
@@ -34,7 +45,33 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(OpenAIBaseModel):
+class RequestModel(OpenAIBaseModel):
+    """What clients send. Every field holds valid Unicode and finite numbers: JSON can carry a
+    lone surrogate ("\\ud800") and Python's parser accepts NaN and Infinity, and neither means
+    anything to the engine, so both are a 400 that names the field."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)
+        return value
+
+
+def _check_unicode(value: Any) -> None:
+    if isinstance(value, str):
+        check_valid_unicode(value, "the text")
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
@@ -45,7 +82,7 @@ class UsageInfo(OpenAIBaseModel):
     completion_tokens: int | None = 0
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestModel):
     """The sampling parameters both generation endpoints share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -84,12 +121,12 @@ class SamplingFields(OpenAIBaseModel):
 
 
 # ---- chat ------------------------------------------------------------------------------------
-class ChatContentPart(OpenAIBaseModel):
+class ChatContentPart(RequestModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
@@ -253,14 +290,14 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
@@ -271,7 +308,19 @@ class TokenizeChatRequest(OpenAIBaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+def _tokenize_kind(body: Any) -> str:
+    chat = isinstance(body, TokenizeChatRequest) or (isinstance(body, dict) and "messages" in body)
+    return "TokenizeChatRequest" if chat else "TokenizeCompletionRequest"
+
+
+# Discriminated by the presence of ``messages``, so that errors come from the one form the client
+# meant. Error locations carry the tag (the class name); the error handler drops UNION_TAGS.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_kind),
+]
+UNION_TAGS = frozenset({"TokenizeCompletionRequest", "TokenizeChatRequest"})
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -281,7 +330,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
@@ -290,7 +339,7 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+class EmbeddingRequest(RequestModel):
     """OpenAI's embeddings request, with vLLM's extras (truncate_prompt_tokens, normalize)."""
 
     model: str | None = None
@@ -317,7 +366,7 @@ class EmbeddingResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class ScoreRequest(OpenAIBaseModel):
+class ScoreRequest(RequestModel):
     """vLLM's /score request: one text_1 against every text_2, or text_1[i] with text_2[i]."""
 
     model: str | None = None

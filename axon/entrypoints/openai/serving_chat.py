@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from axon.entrypoints.openai.chat_output import ChatOutputParser, ChoiceStreamer
-from axon.entrypoints.openai.errors import OpenAIError, bad_request
+from axon.entrypoints.openai.errors import bad_request, from_exception
 from axon.entrypoints.openai.protocol import (
     ChatCompletionLogprobs,
     ChatCompletionMessage,
@@ -153,12 +153,8 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk(i, DeltaMessage(content=""), states, finish=state)
             if chunk.include_usage:
                 yield chunk.usage_only(states)
-        except OpenAIError as e:
-            yield sse(_json(e.body()))
-        except Exception as e:  # noqa: BLE001 (the engine died mid-stream: the stream says so)
-            yield sse(
-                _json({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
-            )
+        except Exception as e:  # noqa: BLE001 (e.g. the engine died mid-stream: the stream says so)
+            yield sse(_json(from_exception(e).body()))
         finally:
             ticket.release()
             stream.close()

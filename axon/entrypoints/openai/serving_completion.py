@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from axon.entrypoints.openai.errors import OpenAIError, bad_request
+from axon.entrypoints.openai.errors import bad_request, from_exception
 from axon.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
@@ -191,11 +191,8 @@ class _Run:
             options = self.request.stream_options
             if options is not None and options.include_usage:
                 yield self._send(None, with_usage=True)
-        except OpenAIError as e:
-            yield sse(json.dumps(e.body()))
-        except Exception as e:  # noqa: BLE001 (the engine died mid-stream: the stream says so)
-            error = {"message": str(e), "type": "server_error", "param": None, "code": 500}
-            yield sse(json.dumps({"error": error}))
+        except Exception as e:  # noqa: BLE001 (e.g. the engine died mid-stream: the stream says so)
+            yield sse(json.dumps(from_exception(e).body()))
         finally:
             ticket.release()
             stream.close()

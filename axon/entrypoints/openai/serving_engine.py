@@ -60,6 +60,14 @@ class Admission:
 
     def admit(self, num_seqs: int) -> Ticket:
         limit = self.max_waiting_requests
+        if limit is not None and num_seqs > self.max_num_seqs + limit:
+            # More than could ever be admitted: retrying cannot help, so this is the client's error.
+            raise bad_request(
+                f"The request asks for {num_seqs} sequences (n times the prompts); at most "
+                f"{self.max_num_seqs + limit} can be admitted (--max-num-seqs {self.max_num_seqs} "
+                f"plus --max-waiting-requests {limit}).",
+                param="n",
+            )
         if limit is not None and self.num_inflight_seqs + num_seqs - self.max_num_seqs > limit:
             raise unavailable(
                 f"The server is overloaded: {self.num_waiting} requests are waiting "
@@ -137,7 +145,8 @@ class OpenAIServing:
         if self.ctx.shutdown_event.is_set():
             raise unavailable("The server is shutting down.", code="shutting_down")
         if self.engine.errored:
-            raise unavailable(f"The engine is dead: {self.engine.dead_error}", code="engine_dead")
+            # The cause (a traceback) is in the log, never in a response.
+            raise unavailable("The engine is dead; the server is shutting down.", code="engine_dead")
 
     def check_unsupported(self, request: SamplingFields) -> None:
         if request.use_beam_search:
@@ -237,7 +246,7 @@ class OpenAIServing:
         self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=request.n if request.n is not None else 1,
                 presence_penalty=_or(request.presence_penalty, 0.0),
                 frequency_penalty=_or(request.frequency_penalty, 0.0),
@@ -263,6 +272,19 @@ class OpenAIServing:
         except ValueError as e:  # SamplingParams' messages begin with the field's name
             name = str(e).split(" ", 1)[0]
             raise bad_request(str(e), param=name if name in type(request).model_fields else None) from e
+        self.check_n(params.n)
+        return params
+
+    def check_n(self, n: int) -> None:
+        """n is capped at ``--max-num-seqs``: one request's samples fit in the running batch
+        together, and a client cannot hold the engine for minutes (or never be admitted)."""
+        max_num_seqs = self.ctx.admission.max_num_seqs
+        if n > max_num_seqs:
+            raise bad_request(
+                f"n must be at most {max_num_seqs} (--max-num-seqs, the most sequences the engine "
+                f"runs at once), got {n}.",
+                param="n",
+            )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Every check the engine makes, before anything is queued or a stream begins."""
@@ -405,7 +427,7 @@ def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
             token_id = int(key)
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        out[token_id] = min(max(float(value), -100.0), 100.0)
+        out[token_id] = value  # SamplingParams rejects values outside [-100, 100], as OpenAI does
     return out
 
 
