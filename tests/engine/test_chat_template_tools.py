@@ -11,12 +11,7 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_weather",
-            "description": "Get the current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
         },
     }
 ]
