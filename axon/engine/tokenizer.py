@@ -1,6 +1,16 @@
 from __future__ import annotations
 
+import functools
+import logging
+import re
+from importlib import resources
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# axon's ChatML template with tools in the Hermes format, for ChatML models whose own template
+# ignores ``tools`` (SmolLM2, the default model): see ``template_for_tools``.
+TOOLS_TEMPLATE = "templates/chatml_tools.jinja"
 
 
 def get_tokenizer(path: str, chat_template: str | None = None) -> Any:
@@ -44,7 +54,7 @@ def render_chat(
     try:
         text = tokenizer.apply_chat_template(
             conversation,
-            chat_template=chat_template,
+            chat_template=template_for_tools(tokenizer, chat_template, chat_template_kwargs),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
@@ -55,3 +65,37 @@ def render_chat(
     if max_chars is not None and len(text) > max_chars:
         raise PromptTooLong(len(text), max_chars)
     return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def template_for_tools(
+    tokenizer: Any, chat_template: str | None, chat_template_kwargs: dict[str, Any] | None
+) -> str | None:
+    """The template to render with: ``chat_template`` (None: the tokenizer's), unless the
+    conversation has ``tools`` and that template never mentions them while being ChatML; then
+    axon's ChatML template, which shows the tools to the model in the Hermes format that
+    ``--tool-call-parser hermes`` reads. Without it a template such as SmolLM2's drops the tools
+    silently and ``tool_choice: "auto"`` can never produce a call."""
+    if not (chat_template_kwargs or {}).get("tools"):
+        return chat_template
+    source = chat_template if chat_template is not None else tokenizer.chat_template
+    if not isinstance(source, str) or re.search(r"\btools\b", source):
+        return chat_template  # renders tools itself (or is a dict of named templates: left alone)
+    if "<|im_start|>" not in source:
+        _log_once("the chat template ignores tools and is not ChatML: the tools are not shown to the model")
+        return chat_template
+    _log_once(
+        f"the model's chat template ignores tools; using axon's tool-aware template (axon/engine/"
+        f"{TOOLS_TEMPLATE}: ChatML, tools in the system message, calls as <tool_call>{{...}}</tool_call>) "
+        "for requests with tools"
+    )
+    return chatml_tools_template()
+
+
+@functools.cache
+def chatml_tools_template() -> str:
+    return resources.files("axon.engine").joinpath(TOOLS_TEMPLATE).read_text(encoding="utf-8")
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.warning(message)

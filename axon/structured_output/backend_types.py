@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from axon.structured_output.options import Whitespace
 from axon.structured_output.params import GrammarKind
 
 
@@ -46,8 +47,9 @@ class StructuredOutputBackend(ABC):
     vocab_size: int
 
     @abstractmethod
-    def compile(self, kind: GrammarKind, spec: str, any_whitespace: bool) -> Any:
-        """A compiled grammar (shared between requests with the same spec). Raises ValueError."""
+    def compile(self, kind: GrammarKind, spec: str, whitespace: Whitespace) -> Any:
+        """A compiled grammar (shared between requests with the same spec). Raises ValueError.
+        ``whitespace`` applies to JSON grammars (schemas and any-object)."""
 
     @abstractmethod
     def matcher(self, compiled: Any, max_rollback_tokens: int) -> StructuredOutputGrammar:

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from axon.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from axon.structured_output.options import Whitespace
 from axon.structured_output.params import GrammarKind, StructuredOutputsParams, choice_as_ebnf
 
 logger = logging.getLogger(__name__)
@@ -131,12 +132,15 @@ class XgrammarBackend(StructuredOutputBackend):
         # xgrammar's own cache is off: the manager caches by spec (one policy, one place).
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
 
-    def compile(self, kind: GrammarKind, spec: str, any_whitespace: bool) -> Any:
+    def compile(self, kind: GrammarKind, spec: str, whitespace: Whitespace) -> Any:
         c = self.compiler
-        if kind == GrammarKind.JSON:
-            return c.compile_json_schema(spec, any_whitespace=any_whitespace)
-        if kind == GrammarKind.JSON_OBJECT:
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+        if kind in (GrammarKind.JSON, GrammarKind.JSON_OBJECT):
+            schema = spec if kind == GrammarKind.JSON else '{"type": "object"}'
+            return c.compile_json_schema(
+                schema,
+                any_whitespace=whitespace.any_whitespace,
+                max_whitespace_cnt=whitespace.max_whitespace_cnt,
+            )
         if kind == GrammarKind.REGEX:
             return c.compile_regex(spec)
         if kind == GrammarKind.CHOICE:

@@ -6,7 +6,7 @@
     each step: grammar_output(sampling requests) -> packed bitmask rows, one per constrained row
     after each step: accept(request, token) -> CONTINUE | TERMINATED | REJECTED
 
-Compiled grammars are cached by (kind, spec, whitespace) and shared; each request gets its own
+Compiled grammars are cached by (kind, spec, whitespace policy) and shared; each request gets its own
 matcher over them. With a reasoning parser, a request is constrained only once its reasoning has
 ended (the end marker's tokens seen after the last start marker), so the grammar shapes the
 answer and never the thinking.
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from axon.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
-from axon.structured_output.options import StructuredOutputsOptions
+from axon.structured_output.options import StructuredOutputsOptions, Whitespace
 from axon.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-GrammarKey = tuple[str, str, bool]  # (kind, spec, any_whitespace)
+GrammarKey = tuple[str, str, Whitespace]  # (kind, spec, whitespace between JSON tokens)
 
 
 class Verdict(enum.Enum):
@@ -125,8 +125,7 @@ class StructuredOutputManager:
         if params is None:
             return False
         kind, spec = params.kind_and_spec()
-        any_whitespace = not (self.options.disable_any_whitespace or params.disable_any_whitespace)
-        so = StructuredOutputRequest(params=params, key=(kind.value, spec, any_whitespace))
+        so = StructuredOutputRequest(params=params, key=(kind.value, spec, self.options.whitespace(params)))
         request.structured_output_request = so
         if so.key in self._cache:
             self._cache.move_to_end(so.key)
@@ -229,8 +228,8 @@ class StructuredOutputManager:
     def _compile(self, key: GrammarKey) -> Any:
         from axon.structured_output.params import GrammarKind
 
-        kind, spec, any_whitespace = key
-        return self.backend().compile(GrammarKind(kind), spec, any_whitespace)
+        kind, spec, whitespace = key
+        return self.backend().compile(GrammarKind(kind), spec, whitespace)
 
     def _remember(self, key: GrammarKey, compiled: Any) -> None:
         self._cache[key] = compiled

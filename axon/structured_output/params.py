@@ -30,8 +30,10 @@ class StructuredOutputsParams:
     """One of ``json`` (a schema, dict or JSON text), ``regex``, ``choice`` (a list of strings),
     ``grammar`` (EBNF), ``json_object`` (True) or ``structural_tag`` (JSON text).
 
-    ``disable_any_whitespace`` forbids whitespace between JSON tokens for this request (the
-    server-wide default comes from ``--structured-outputs-config``).
+    Whitespace between JSON tokens (the server-wide defaults come from
+    ``--structured-outputs-config``): ``max_whitespace_cnt`` allows up to that many characters
+    for this request (None: the server's bound); ``disable_any_whitespace`` allows only the
+    single spaces of ", " and ": ".
     """
 
     json: str | dict[str, Any] | None = None
@@ -41,6 +43,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
+    max_whitespace_cnt: int | None = None
     # Accepted for vLLM compatibility; both are what axon does anyway (one backend, strict schemas).
     disable_fallback: bool = False
     disable_additional_properties: bool = False
@@ -61,6 +64,8 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}"
             )
+        if self.max_whitespace_cnt is not None:
+            check_positive_int("structured_outputs.max_whitespace_cnt", self.max_whitespace_cnt)
         for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -92,6 +97,11 @@ class StructuredOutputsParams:
         if unknown:
             raise ValueError(f"{where} has unknown keys {unknown}; supported: {sorted(known)}")
         return cls(**data)
+
+
+def check_positive_int(where: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where} must be a positive integer, got {value!r}")
 
 
 def choice_as_ebnf(choices: list[str]) -> str:

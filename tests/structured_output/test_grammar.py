@@ -16,7 +16,11 @@ from axon.sample.grammar import GrammarBitmask, apply_grammar_bitmask, unpack_bi
 from axon.sampling_params import SamplingParams
 from axon.structured_output.backend_xgrammar import validate_structured_outputs
 from axon.structured_output.manager import StructuredOutputManager, Verdict
-from axon.structured_output.options import StructuredOutputsOptions, parse_structured_outputs_config
+from axon.structured_output.options import (
+    DEFAULT_MAX_WHITESPACE_CNT,
+    StructuredOutputsOptions,
+    parse_structured_outputs_config,
+)
 from axon.structured_output.params import StructuredOutputsParams
 
 VOCAB = 49152
@@ -82,6 +86,12 @@ def test_options_and_config_checks() -> None:
         build_config(structured_outputs_config='{"whitespace": false}')
     with pytest.raises(ValueError, match="reasoning_parser 'o1' is not supported"):
         build_config(reasoning_parser="o1")
+    assert parse_structured_outputs_config({"max_whitespace_cnt": None}).max_whitespace_cnt is None
+    for bad in (0, -1, True, "2", 1.5):
+        with pytest.raises(ValueError, match="max_whitespace_cnt must be a positive integer"):
+            parse_structured_outputs_config({"max_whitespace_cnt": bad})
+        with pytest.raises(ValueError, match="structured_outputs.max_whitespace_cnt must be a positive"):
+            StructuredOutputsParams(json={}, max_whitespace_cnt=bad)
 
 
 @pytest.mark.parametrize(
@@ -239,6 +249,41 @@ def test_bitmask_masks_only_its_rows() -> None:
     assert out[3].argmax() == 65 and torch.isinf(out[3]).sum() == vocab - 1
     negative = torch.tensor([[-1]], dtype=torch.int32)  # all 32 bits: bit 31 is the sign bit
     assert unpack_bitmask(negative, 32).all()
+
+
+NEWLINE_RUN = 40  # far past any bound under test
+
+
+@pytest.mark.parametrize(
+    ("config", "request_whitespace", "longest_run"),
+    [
+        ({}, {}, DEFAULT_MAX_WHITESPACE_CNT),  # bounded by default
+        ({"max_whitespace_cnt": 5}, {}, 5),
+        ({}, {"max_whitespace_cnt": 1}, 1),  # a request's bound wins over the server's
+        ({"max_whitespace_cnt": None}, {}, NEWLINE_RUN),  # free whitespace, when asked for
+        ({"max_whitespace_cnt": None}, {"max_whitespace_cnt": 3}, 3),
+        ({}, {"disable_any_whitespace": True}, 0),  # only the single spaces of ", " and ": "
+        ({"disable_any_whitespace": True}, {"max_whitespace_cnt": 3}, 0),
+    ],
+)
+@pytest.mark.parametrize("kind", ["json", "json_object"])
+def test_whitespace_between_json_tokens_is_bounded(
+    smollm2_path: str, tokenizer, config: dict, request_whitespace: dict, longest_run: int, kind: str
+) -> None:
+    manager = StructuredOutputManager(parse_structured_outputs_config(config), smollm2_path, VOCAB)
+    constraint = {"json": SCHEMA} if kind == "json" else {"json_object": True}
+    request = make_request("ws", tokenizer, **constraint, **request_whitespace)
+    manager.init_request(request)
+    manager.wait_any([request], None)
+    assert manager.is_ready(request)
+    grammar = request.structured_output_request.grammar
+    (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+    assert grammar.accept_tokens("ws", tokenizer.encode("{", add_special_tokens=False))
+    # The matcher takes exactly the bound's worth of newlines after "{", then refuses the next.
+    assert len(grammar.validate_tokens([newline] * NEWLINE_RUN)) == longest_run
+    run_of_spaces = tokenizer.encode(" " * (longest_run + 1), add_special_tokens=False)
+    if longest_run < NEWLINE_RUN:  # one character past the bound is refused, as one token too
+        assert len(run_of_spaces) == 1 and grammar.validate_tokens(run_of_spaces) == []
 
 
 def test_bitmask_rows_follow_the_sampler_rows() -> None:

@@ -1,8 +1,9 @@
 """Structured outputs and tool calling through a real ``axon serve`` and the official client.
 
-One server for the module (SmolLM2-135M, float32, greedy): requests run concurrently so that
-they share batches, which is also how the mixed-batch test checks that unconstrained rows are
-left alone.
+One server for the module (SmolLM2-135M, float32, greedy unless a test samples): requests run
+concurrently so that they share batches, which is also how the mixed-batch test checks that
+unconstrained rows are left alone. SmolLM2's own chat template ignores tools, so requests with
+tools render through axon's ChatML tool template (axon/engine/templates/chatml_tools.jinja).
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from so_helpers import HERMES_TEMPLATE, ServerProcess
+from so_helpers import ServerProcess
+
+from benchmarks.json_schemas import NAME, SCHEMAS
 
 MODEL = "axon-so"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    template = tmp_path_factory.mktemp("template") / "hermes.jinja"
-    template.write_text(HERMES_TEMPLATE)
-    args = ["--served-model-name", MODEL, "--chat-template", str(template)]
+def server() -> Iterator[ServerProcess]:
+    args = ["--served-model-name", MODEL]
     args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-num-seqs", "24"]
     proc = ServerProcess(*args).wait_ready()
     yield proc
@@ -53,259 +54,6 @@ def chat_messages(text: str) -> list[dict]:
 
 
 # ---- JSON schemas ------------------------------------------------------------------------------
-NAME = {"type": "string", "minLength": 1, "maxLength": 12}
-SCHEMAS: list[tuple[str, dict]] = [
-    (
-        "a person",
-        {
-            "type": "object",
-            "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-            "required": ["name", "age"],
-        },
-    ),
-    (
-        "a city with its location",
-        {
-            "type": "object",
-            "properties": {
-                "city": NAME,
-                "location": {
-                    "type": "object",
-                    "properties": {
-                        "lat": {"type": "number", "minimum": -90, "maximum": 90},
-                        "lon": {"type": "number", "minimum": -180, "maximum": 180},
-                    },
-                    "required": ["lat", "lon"],
-                },
-            },
-            "required": ["city", "location"],
-        },
-    ),
-    (
-        "three lucky numbers",
-        {
-            "type": "object",
-            "properties": {
-                "numbers": {
-                    "type": "array",
-                    "items": {"type": "integer", "minimum": 0, "maximum": 99},
-                    "minItems": 3,
-                    "maxItems": 3,
-                }
-            },
-            "required": ["numbers"],
-        },
-    ),
-    (
-        "a traffic light colour",
-        {
-            "type": "object",
-            "properties": {"colour": {"enum": ["red", "amber", "green"]}},
-            "required": ["colour"],
-        },
-    ),
-    (
-        "a yes/no flag and a note",
-        {
-            "type": "object",
-            "properties": {"flag": {"type": "boolean"}, "note": {"type": "null"}},
-            "required": ["flag", "note"],
-        },
-    ),
-    (
-        "a temperature reading",
-        {
-            "type": "object",
-            "properties": {"celsius": {"type": "number", "minimum": -50, "maximum": 60}},
-            "required": ["celsius"],
-        },
-    ),
-    (
-        "an airport code",
-        {
-            "type": "object",
-            "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-            "required": ["code"],
-        },
-    ),
-    (
-        "a book, subtitle optional",
-        {
-            "type": "object",
-            "properties": {
-                "title": NAME,
-                "subtitle": NAME,
-                "pages": {"type": "integer", "minimum": 1, "maximum": 2000},
-            },
-            "required": ["title", "pages"],
-        },
-    ),
-    (
-        "two addresses",
-        {
-            "$defs": {
-                "address": {
-                    "type": "object",
-                    "properties": {"street": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["street", "zip"],
-                }
-            },
-            "type": "object",
-            "properties": {"home": {"$ref": "#/$defs/address"}, "work": {"$ref": "#/$defs/address"}},
-            "required": ["home", "work"],
-        },
-    ),
-    (
-        "a team of people",
-        {
-            "type": "object",
-            "properties": {
-                "members": {
-                    "type": "array",
-                    "minItems": 1,
-                    "maxItems": 3,
-                    "items": {
-                        "type": "object",
-                        "properties": {"name": NAME, "role": {"enum": ["dev", "ops"]}},
-                        "required": ["name", "role"],
-                    },
-                }
-            },
-            "required": ["members"],
-        },
-    ),
-    (
-        "a versioned record",
-        {
-            "type": "object",
-            "properties": {"version": {"const": 2}, "id": {"type": "integer", "minimum": 1, "maximum": 1000}},
-            "required": ["version", "id"],
-        },
-    ),
-    (
-        "an id that is a string or a number",
-        {
-            "type": "object",
-            "properties": {"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999}, NAME]}},
-            "required": ["id"],
-        },
-    ),
-    (
-        "a 2x2 matrix",
-        {
-            "type": "object",
-            "properties": {
-                "rows": {
-                    "type": "array",
-                    "minItems": 2,
-                    "maxItems": 2,
-                    "items": {
-                        "type": "array",
-                        "minItems": 2,
-                        "maxItems": 2,
-                        "items": {"type": "integer", "minimum": -9, "maximum": 9},
-                    },
-                }
-            },
-            "required": ["rows"],
-        },
-    ),
-    (
-        "an event with a date",
-        {
-            "type": "object",
-            "properties": {"event": NAME, "date": {"type": "string", "format": "date"}},
-            "required": ["event", "date"],
-        },
-    ),
-    (
-        "a positive score",
-        {
-            "type": "object",
-            "properties": {"score": {"type": "integer", "exclusiveMinimum": 0, "maximum": 10}},
-            "required": ["score"],
-        },
-    ),
-    (
-        "a nickname or null",
-        {
-            "type": "object",
-            "properties": {"nickname": {"type": ["string", "null"], "maxLength": 10}},
-            "required": ["nickname"],
-        },
-    ),
-    (
-        "a closed product record",
-        {
-            "type": "object",
-            "properties": {
-                "sku": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-                "price": {"type": "number", "minimum": 0, "maximum": 1000},
-                "in_stock": {"type": "boolean"},
-            },
-            "required": ["sku", "price", "in_stock"],
-            "additionalProperties": False,
-        },
-    ),
-    (
-        "a dice roll",
-        {"type": "object", "properties": {"roll": {"enum": [1, 2, 3, 4, 5, 6]}}, "required": ["roll"]},
-    ),
-    (
-        "a company with a CEO and an address",
-        {
-            "type": "object",
-            "properties": {
-                "company": {
-                    "type": "object",
-                    "properties": {
-                        "name": NAME,
-                        "ceo": {
-                            "type": "object",
-                            "properties": {
-                                "name": NAME,
-                                "since": {"type": "integer", "minimum": 1990, "maximum": 2025},
-                            },
-                            "required": ["name", "since"],
-                        },
-                    },
-                    "required": ["name", "ceo"],
-                }
-            },
-            "required": ["company"],
-        },
-    ),
-    (
-        "a list of tags",
-        {
-            "type": "object",
-            "properties": {
-                "tags": {
-                    "type": "array",
-                    "minItems": 1,
-                    "maxItems": 4,
-                    "items": {"type": "string", "minLength": 1, "maxLength": 8},
-                }
-            },
-            "required": ["tags"],
-        },
-    ),
-    (
-        "a point",
-        {
-            "type": "array",
-            "prefixItems": [
-                {"type": "integer", "minimum": 0, "maximum": 9},
-                {"type": "integer", "minimum": 0, "maximum": 9},
-            ],
-            "items": False,
-            "minItems": 2,
-        },
-    ),
-    ("a rating", {"type": "integer", "minimum": 1, "maximum": 5}),
-]
-
-
 def _schema_request(index: int, description: str, schema: dict):
     """Three ways of asking, in turn: response_format, structured_outputs, guided_json."""
     messages = chat_messages(f"Give me {description} as JSON.")
@@ -481,7 +229,7 @@ def test_mixed_batch_leaves_unconstrained_requests_unchanged(server: ServerProce
             return await aclient.completions.create(
                 model=MODEL,
                 prompt=f"Record {i} as JSON:",
-                max_tokens=60,
+                max_tokens=120,  # room for digits: SmolLM2 writes 1.000000, one token each
                 temperature=0,
                 extra_body={"guided_json": SCHEMAS[i][1]},
             )
@@ -492,6 +240,7 @@ def test_mixed_batch_leaves_unconstrained_requests_unchanged(server: ServerProce
     mixed = run_all(server, [plain(p) for p in prompts] + [constrained(i) for i in range(3)])
     assert [r.choices[0].text for r in mixed[:3]] == alone
     for i, r in enumerate(mixed[3:]):
+        assert r.choices[0].finish_reason == "stop", r.choices[0].text
         jsonschema.validate(json.loads(r.choices[0].text), SCHEMAS[i][1])
 
 
@@ -620,6 +369,89 @@ def test_auto_tool_choice_parses_hermes_calls(client: openai.OpenAI, stream: boo
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMETERS["get_weather"])
 
 
+def test_sampled_json_and_tool_calls_end_well_before_max_tokens(server: ServerProcess) -> None:
+    """With free whitespace between JSON tokens SmolLM2 at temperature 0.7 wrote newlines until
+    max_tokens (a named call's arguments were "\\n\\n\\t\\r..."); bounded, every answer ends."""
+    sampled = {"model": MODEL, "temperature": 0.7, "max_tokens": 200}  # 308 prompt tokens with tools
+
+    def schema_answer(seed: int):
+        async def call(aclient):
+            return await aclient.chat.completions.create(
+                messages=chat_messages("Give me a person as JSON."),
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": SCHEMAS[0][1]},
+                },
+                seed=seed,
+                **sampled,
+            )
+
+        return call
+
+    def tool_call(seed: int, tool_choice):
+        async def call(aclient):
+            return await aclient.chat.completions.create(
+                messages=ASK, tools=TOOLS, tool_choice=tool_choice, seed=seed, **sampled
+            )
+
+        return call
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    seeds = range(4)
+    calls = [schema_answer(s) for s in seeds] + [tool_call(s, "required") for s in seeds]
+    calls += [tool_call(s, named) for s in seeds]
+    responses = run_all(server, calls)
+    for r in responses:
+        assert r.usage.completion_tokens < 100, r.choices[0].message
+    for r in responses[: len(seeds)]:
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[0][1])
+    for r in responses[len(seeds) :]:
+        _check_calls(r.choices[0].message.tool_calls)
+
+
+def test_readme_tool_example(client: openai.OpenAI) -> None:
+    """README.md's tools example as written: SmolLM2 answers `auto` in text (it makes no call by
+    itself, see the README); `required` makes a call valid for the schema."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Get the current weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask, tools=tools, tool_choice="auto", temperature=0
+    )
+    message = r.choices[0].message
+    if message.tool_calls:  # a model that calls tools: the parser read a valid call
+        assert (
+            r.choices[0].finish_reason == "tool_calls"
+            and message.tool_calls[0].function.name == "get_weather"
+        )
+        jsonschema.validate(
+            json.loads(message.tool_calls[0].function.arguments), tools[0]["function"]["parameters"]
+        )
+    else:
+        assert (
+            message.content and "<tool_call>" not in message.content and r.choices[0].finish_reason == "stop"
+        )
+    r = client.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="required")
+    calls = r.choices[0].message.tool_calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+
+
 def test_auto_without_a_call_is_content(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL,
@@ -633,12 +465,13 @@ def test_auto_without_a_call_is_content(client: openai.OpenAI) -> None:
     assert r.choices[0].finish_reason == "stop"
 
 
-def test_tools_rendered_and_tool_messages_accepted(client: openai.OpenAI) -> None:
+def test_tools_rendered_and_tool_messages_accepted(server: ServerProcess, client: openai.OpenAI) -> None:
     plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
     with_tools = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1
     )
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the template rendered them
+    assert "the model's chat template ignores tools; using axon's tool-aware template" in server.log()
     call = {
         "id": "call_1",
         "type": "function",
@@ -689,6 +522,11 @@ BAD = [
     ),
     (COMPLETIONS, {"prompt": "Hi", "structured_outputs": {"json_schema": {}}}, "unknown keys"),
     (COMPLETIONS, {"prompt": "Hi", "response_format": {"type": "yaml"}}, "response_format.type"),
+    (
+        COMPLETIONS,
+        {"prompt": "Hi", "structured_outputs": {"json": {}, "max_whitespace_cnt": 0}},
+        "max_whitespace_cnt must be a positive integer",
+    ),
     (
         CHAT,
         {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "guided_regex": "a"},
