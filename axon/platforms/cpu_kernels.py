@@ -41,27 +41,31 @@ def _compiler() -> str | None:
     return None
 
 
-def _flags() -> list[str]:
+def _compile_flags() -> list[str]:
     torch_dir = os.path.dirname(torch.__file__)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
         "-O3",
         "-march=native",
         # Fast math vectorizes exp (glibc's vector math); the kernels use no infinities or NaNs.
+        # Compile-only: see _link_flags.
         "-ffast-math",
         "-fopenmp",
         "-std=c++20",
-        "-shared",
         "-fPIC",
         "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{os.path.join(torch_dir, 'include')}",
         f"-I{os.path.join(torch_dir, 'include', 'torch', 'csrc', 'api', 'include')}",
-        f"-L{os.path.join(torch_dir, 'lib')}",
-        f"-Wl,-rpath,{os.path.join(torch_dir, 'lib')}",
-        "-lc10",
-        "-ltorch_cpu",
     ]
+
+
+def _link_flags() -> list[str]:
+    """No -ffast-math here: linked with it, the compiler adds crtfastmath.o, whose constructor
+    sets flush-to-zero and denormals-are-zero for the whole process when the library loads,
+    changing the arithmetic of every other library (and of the user's code) in it."""
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return ["-shared", "-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"]
 
 
 def _sources() -> list[str]:
@@ -92,7 +96,7 @@ def build_key(compiler: str) -> str:
             h.update(os.path.basename(path).encode() + b"\0" + f.read())
     for part in (
         _compiler_version(compiler),
-        " ".join(_flags()),
+        " ".join(_compile_flags() + _link_flags()),
         torch.__version__,
         _cpu_flags(),
         sysconfig.get_platform(),
@@ -114,19 +118,34 @@ def library_path(cache_root: str) -> str | None:
 
 
 def _build(compiler: str, folder: str, path: str) -> None:
+    """Compile each source to an object (in parallel), then link them without fast math."""
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
-    cmd = [compiler, *_sources(), "-o", tmp, *_flags()]
-    try:
-        with startup_phase("building axon's CPU kernels (once per machine and version)"):
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with tempfile.TemporaryDirectory(prefix=".objects-", dir=folder) as objects:
+        sources = _sources()
+        objs = [os.path.join(objects, os.path.basename(src) + ".o") for src in sources]
+        compiles = [[compiler, "-c", src, "-o", obj, *_compile_flags()] for src, obj in zip(sources, objs)]
+        link = [compiler, *objs, "-o", tmp, *_link_flags()]
+        try:
+            with startup_phase("building axon's CPU kernels (once per machine and version)"):
+                procs = [
+                    (cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)) for cmd in compiles
+                ]
+                for cmd, proc in procs:
+                    _, stderr = proc.communicate()
+                    _check(cmd, proc.returncode, stderr)
+                proc = subprocess.run(link, capture_output=True, text=True, check=False)
+                _check(link, proc.returncode, proc.stderr)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def _check(cmd: list[str], returncode: int, stderr: str) -> None:
+    if returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-4000:]}")
 
 
 def load_cpu_kernels(cache_root: str) -> bool:

@@ -32,7 +32,7 @@ def test_key_follows_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     if compiler is None:
         pytest.skip("no C++ compiler")
     key = cpu_kernels.build_key(compiler)
-    monkeypatch.setattr(cpu_kernels, "_flags", lambda: ["-O1"])
+    monkeypatch.setattr(cpu_kernels, "_compile_flags", lambda: ["-O1"])
     assert cpu_kernels.build_key(compiler) != key
 
 
@@ -41,12 +41,22 @@ def test_failed_build_names_the_command_and_leaves_nothing(
 ) -> None:
     if cpu_kernels._compiler() is None:
         pytest.skip("no C++ compiler")
-    flags = cpu_kernels._flags()
-    monkeypatch.setattr(cpu_kernels, "_flags", lambda: [*flags, "-fno-such-flag-axon"])
+    flags = cpu_kernels._compile_flags()
+    monkeypatch.setattr(cpu_kernels, "_compile_flags", lambda: [*flags, "-fno-such-flag-axon"])
     with pytest.raises(RuntimeError, match="no-such-flag-axon"):
         cpu_kernels.library_path(str(tmp_path))
     leftovers = [f for _, _, files in os.walk(tmp_path) for f in files]
     assert leftovers == []  # no half-written library for a later start to load
+
+
+def test_loading_keeps_the_process_floating_point_mode(kernel_cache_root: str) -> None:
+    """Linked with -ffast-math, the library's crtfastmath.o constructor turned on flush-to-zero
+    and denormals-are-zero for the whole process: 1e-310 * 1.0 became 0.0 in every library."""
+    if not cpu_kernels.load_cpu_kernels(kernel_cache_root):
+        pytest.skip("no C++ compiler")
+    subnormal = 1e-310
+    assert subnormal * 1.0 == subnormal
+    assert torch.tensor([subnormal], dtype=torch.float64).mul(1.0).item() == subnormal
 
 
 def test_no_compiler_means_no_library(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike) -> None:
