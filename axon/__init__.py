@@ -3,10 +3,8 @@
 from axon.entrypoints.llm import LLM
 from axon.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from axon.pooling_params import PoolingParams
-from axon.sampling_params import SamplingParams
-from axon.structured_output.params import StructuredOutputsParams
-
-__version__ = "0.1.0"
+from axon.sampling_params import SamplingParams, StructuredOutputsParams
+from axon.version import __version__
 
 __all__ = [
     "LLM",

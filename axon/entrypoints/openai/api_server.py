@@ -38,7 +38,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import axon
 from axon.config import AxonConfig
 from axon.engine.async_llm import AsyncLLM
 from axon.engine.async_pooling import AsyncPoolingLLM
@@ -73,6 +72,7 @@ from axon.metrics.loggers import LoggingStatLogger
 from axon.metrics.prometheus import PrometheusStatLogger, render_metrics
 from axon.metrics.stats import StatLogger
 from axon.startup import configure_logging
+from axon.version import __version__
 
 logger = logging.getLogger("axon.entrypoints.openai.api_server")
 
@@ -282,7 +282,7 @@ def build_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
         await state.shutdown()
 
     # /openapi.json (generated from the protocol models) and /docs, as vLLM serves them.
-    app = FastAPI(title="axon", version=axon.__version__, lifespan=lifespan, redoc_url=None)
+    app = FastAPI(title="axon", version=__version__, lifespan=lifespan, redoc_url=None)
     app.state.axon = state
     _add_routes(app, state)
     _document_400_not_422(app)
@@ -324,7 +324,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": axon.__version__})
+        return JSONResponse({"version": __version__})
 
     @app.get("/load")
     async def load() -> JSONResponse:

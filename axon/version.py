@@ -1,0 +1,3 @@
+"""The release string, kept apart so that any layer can read it without importing the package API."""
+
+__version__ = "0.1.0"
