@@ -12,6 +12,7 @@ same as in synchronous mode. Steps with structured outputs run synchronously.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -23,8 +24,9 @@ from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
 from axon.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from axon.platforms import resolve_device
+from axon.engine.tokenizer import get_tokenizer
 from axon.executor.uniproc import UniProcExecutor
+from axon.platforms import resolve_device
 from axon.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,9 @@ class EngineCore:
             config.cache_config,
             max_model_len,
             num_blocks,
-            structured_output_manager=StructuredOutputManager.from_config(config),
+            structured_output_manager=StructuredOutputManager.from_config(
+                config, functools.partial(get_tokenizer, config.model_config.tokenizer)
+            ),
         )
         self.block_hasher = make_block_hasher(config.cache_config.block_size)
         self.async_scheduling = resolve_async_scheduling(config)

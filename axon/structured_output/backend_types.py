@@ -9,8 +9,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from axon.sampling_params import GrammarKind
 from axon.structured_output.options import Whitespace
-from axon.structured_output.params import GrammarKind
 
 
 class StructuredOutputGrammar(ABC):

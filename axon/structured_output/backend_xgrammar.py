@@ -14,9 +14,9 @@ import logging
 import re
 from typing import Any
 
+from axon.sampling_params import GrammarKind, StructuredOutputsParams, choice_as_ebnf
 from axon.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from axon.structured_output.options import Whitespace
-from axon.structured_output.params import GrammarKind, StructuredOutputsParams, choice_as_ebnf
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,15 @@ import enum
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
+from axon.sampling_params import StructuredOutputsParams
 from axon.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from axon.structured_output.options import StructuredOutputsOptions, Whitespace
-from axon.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +82,15 @@ class StructuredOutputManager:
     def __init__(
         self,
         options: StructuredOutputsOptions,
-        tokenizer_path: str,
+        load_tokenizer: Callable[[], Any],
         vocab_size: int,
         reasoning_markers: tuple[str, str] | None = None,
         max_rollback_tokens: int = -1,  # -1: unbounded (xgrammar's default)
     ) -> None:
         self.options = options
-        self.tokenizer_path = tokenizer_path
+        # Called once, on the first structured request: loading a tokenizer takes a moment, and
+        # the caller (the engine) owns how tokenizers are loaded.
+        self.load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.reasoning_markers = reasoning_markers
         self.max_rollback_tokens = max_rollback_tokens
@@ -101,8 +104,9 @@ class StructuredOutputManager:
         self.num_compiles = 0
 
     @classmethod
-    def from_config(cls, config: Any) -> StructuredOutputManager:
-        """From the resolved AxonConfig (tokenizer, vocabulary, options, reasoning markers)."""
+    def from_config(cls, config: Any, load_tokenizer: Callable[[], Any]) -> StructuredOutputManager:
+        """From the resolved AxonConfig (vocabulary, options, reasoning markers) and the model's
+        tokenizer loader."""
         from axon.reasoning import get_reasoning_parser
         from axon.structured_output.options import parse_structured_outputs_config
 
@@ -113,7 +117,7 @@ class StructuredOutputManager:
             markers = (parser.start_marker, parser.end_marker)
         return cls(
             parse_structured_outputs_config(so_config.structured_outputs_config),
-            tokenizer_path=config.model_config.tokenizer,
+            load_tokenizer=load_tokenizer,
             vocab_size=int(config.model_config.hf_config["vocab_size"]),
             reasoning_markers=markers,
         )
@@ -208,7 +212,6 @@ class StructuredOutputManager:
             return self._backend
 
     def _make_backend(self) -> StructuredOutputBackend:
-        from axon.engine.tokenizer import get_tokenizer
         from axon.structured_output.backend_xgrammar import BACKENDS
 
         name = self.options.resolved_backend
@@ -216,7 +219,7 @@ class StructuredOutputManager:
             raise ValueError(
                 f"structured outputs backend {name!r} is not built; supported: {sorted(BACKENDS)}"
             )
-        tokenizer = get_tokenizer(self.tokenizer_path)
+        tokenizer = self.load_tokenizer()
         if self.reasoning_markers is not None:
             start, end = self.reasoning_markers
             self._marker_ids = (
@@ -226,7 +229,7 @@ class StructuredOutputManager:
         return BACKENDS[name](tokenizer, self.vocab_size)
 
     def _compile(self, key: GrammarKey) -> Any:
-        from axon.structured_output.params import GrammarKind
+        from axon.sampling_params import GrammarKind
 
         kind, spec, whitespace = key
         return self.backend().compile(GrammarKind(kind), spec, whitespace)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from axon.structured_output.params import StructuredOutputsParams, check_positive_int
+from axon.sampling_params import StructuredOutputsParams, check_positive_int
 
 # "auto" resolves to xgrammar, vLLM's default backend; the others vLLM knows are not built.
 SUPPORTED_BACKENDS = ("auto", "xgrammar")

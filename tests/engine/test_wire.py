@@ -17,7 +17,7 @@ from axon.engine.core_proc import ADD, OUTPUTS, decode_outputs, decode_request, 
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from axon.pooling_params import PoolingParams
 from axon.sampling_params import INT64_MAX, INT64_MIN, UINT64_MAX, SamplingParams
-from axon.structured_output.params import StructuredOutputsParams
+from axon.sampling_params import StructuredOutputsParams
 
 VOCAB, EOS = 49152, 2
 

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from axon.entrypoints.openai.errors import bad_request
-from axon.structured_output.params import StructuredOutputsParams
+from axon.sampling_params import StructuredOutputsParams
 
 _GUIDED = {
     "guided_json": "json",

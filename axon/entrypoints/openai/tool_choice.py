@@ -16,7 +16,7 @@ from typing import Any
 
 from axon.entrypoints.openai.errors import bad_request
 from axon.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
-from axon.structured_output.params import StructuredOutputsParams
+from axon.sampling_params import StructuredOutputsParams
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
