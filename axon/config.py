@@ -95,7 +95,7 @@ class ParallelConfig:
     data_parallel_size: int = 1
     """1 only, for now."""
     enable_expert_parallel: bool = False
-    """Accepted for vLLM's scripts; no effect yet."""
+    """Expert parallelism for MoE models: not implemented yet (an error if set)."""
 
 
 BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
@@ -130,7 +130,7 @@ class CompilationConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     speculative_config: dict[str, Any] | None = None
-    """Speculative decoding, JSON (vLLM's keys); accepted, not used yet."""
+    """Speculative decoding, JSON (vLLM's keys): not implemented yet (an error if set)."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class StructuredOutputsConfig:
 @dataclass(frozen=True)
 class KVTransferConfig:
     kv_transfer_config: dict[str, Any] | None = None
-    """Disaggregated prefill/decode, JSON (vLLM's keys); accepted, not used yet."""
+    """Disaggregated prefill/decode, JSON (vLLM's keys): not implemented yet (an error if set)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,9 @@ class AxonConfig:
 
 
 _RESOLVED_ONLY = {"model_path", "hf_config"}
+# vLLM options whose feature is not built yet: named so that their flags parse and `--help` lists
+# them, and refused when set (silently ignoring them would give users something they did not ask for).
+NOT_IMPLEMENTED_OPTIONS = ("speculative_config", "kv_transfer_config", "enable_expert_parallel")
 # Options that parse from JSON strings when given as text (CLI flags).
 _JSON_OPTIONS = {
     "speculative_config",
@@ -332,6 +335,7 @@ def validate_config(config: AxonConfig) -> None:
         "must be one of auto, cpu, cuda",
     )
     need(m.max_logprobs >= 0, "max_logprobs", m.max_logprobs, "must be non-negative")
+    _reject_not_implemented(config)
     comp = config.compilation_config
     need(
         comp.bucket_compile in BUCKET_COMPILE_POLICIES,
@@ -345,17 +349,15 @@ def validate_config(config: AxonConfig) -> None:
         comp.linear_backend,
         f"must be one of {', '.join(LINEAR_BACKENDS)}",
     )
-    _validate_structured_outputs(config.structured_outputs_config)
 
 
-def _validate_structured_outputs(so: StructuredOutputsConfig) -> None:
-    # Imported here: both modules are pure Python, and config.py stays free of imports from below.
-    from axon.reasoning import get_reasoning_parser
-    from axon.structured_output.options import parse_structured_outputs_config
-
-    parse_structured_outputs_config(so.structured_outputs_config)
-    if so.reasoning_parser is not None:
-        get_reasoning_parser(so.reasoning_parser)
+def _reject_not_implemented(config: AxonConfig) -> None:
+    for name in NOT_IMPLEMENTED_OPTIONS:
+        sub = getattr(config, OPTION_OWNERS[name])
+        default = next(f.default for f in fields(sub) if f.name == name)
+        value = getattr(sub, name)
+        if value != default:
+            raise ValueError(f"{name} is not implemented yet in axon; leave it unset (got {value!r}).")
 
 
 def default_cache_root() -> str:

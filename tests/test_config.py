@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -79,3 +81,45 @@ def test_cpu_kv_space_from_vllm_variable(monkeypatch: pytest.MonkeyPatch, smollm
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert create_engine_config(model=smollm2_path).cache_config.kv_cache_space_gib == 2.0
     assert create_engine_config(model=smollm2_path, kv_cache_space_gib=1).cache_config.kv_cache_space_gib == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("speculative_config", '{"method": "ngram", "num_speculative_tokens": 3}'),
+        ("kv_transfer_config", {"kv_connector": "NixlConnector", "kv_role": "kv_both"}),
+        ("enable_expert_parallel", True),
+    ],
+)
+def test_options_not_implemented_yet_are_refused(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{name} is not implemented yet"):
+        build_config(**{name: value})
+
+
+def test_llm_refuses_an_option_not_implemented_yet() -> None:
+    from axon import LLM
+
+    with pytest.raises(ValueError, match="speculative_config is not implemented yet"):
+        LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize(
+    ("flags", "name"),
+    [
+        (["--speculative-config", '{"method": "ngram"}'], "speculative_config"),
+        (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "kv_transfer_config"),
+        (["--enable-expert-parallel"], "enable_expert_parallel"),
+    ],
+)
+def test_serve_refuses_an_option_not_implemented_yet(flags: list[str], name: str) -> None:
+    """`axon serve` answers with a one-line usage error, not a traceback, before loading a model."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "axon.entrypoints.cli", "serve", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"axon serve: error: {name} is not implemented yet" in proc.stderr
+    assert "Traceback" not in proc.stderr

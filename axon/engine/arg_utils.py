@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from axon.config import AxonConfig, build_config, default_cache_root, replace
+from axon.config import AxonConfig, StructuredOutputsConfig, build_config, default_cache_root, replace
 from axon.model.loader import default_model_path, gguf_to_hf_folder, load_hf_config
 from axon.model.loader.default_model import (
     DEFAULT_EMBEDDING_MODEL_NAME,
@@ -14,7 +14,9 @@ from axon.model.loader.default_model import (
 )
 from axon.model.pooler import model_pooler_config
 from axon.model.registry import can_pool, is_pooling_model, resolve_model_class
-from axon.worker.buckets import resolve_buckets
+from axon.reasoning import get_reasoning_parser
+from axon.structured_output.options import parse_structured_outputs_config
+from axon.worker.buckets import resolve_bucket_lists
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # Embedding batches run whole (no decode steps to interleave). all-MiniLM-L6-v2, float32, on an
@@ -30,6 +32,7 @@ def create_engine_config(**kwargs: Any) -> AxonConfig:
 
 def resolve_config(config: AxonConfig) -> AxonConfig:
     """Locate and read the model, then fill every "auto"/None value. Returns a new tree."""
+    _check_structured_outputs(config.structured_outputs_config)  # before any model work
     m = config.model_config
     cache_root = m.cache_root or default_cache_root()
     # No model with runner="pooling": the bundled embedding model, not the generative one.
@@ -86,8 +89,14 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
         cache_config=c,
         compilation_config=comp,
     )
-    resolve_buckets(resolved)  # bucket lists are checked at start-up, before a model loads
-    return resolved
+    # Bucket lists are resolved and checked here, once, before a model loads; the worker reads them.
+    return replace(resolved, compilation_config=resolve_bucket_lists(resolved))
+
+
+def _check_structured_outputs(so: StructuredOutputsConfig) -> None:
+    parse_structured_outputs_config(so.structured_outputs_config)
+    if so.reasoning_parser is not None:
+        get_reasoning_parser(so.reasoning_parser)
 
 
 def _resolve_runner(runner: str, model_class: type, hf: dict[str, Any]) -> str:

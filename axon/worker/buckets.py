@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from axon.config import AxonConfig
+from axon.config import AxonConfig, CompilationConfig, replace
 
 _KEYS = ("num_batched_tokens_buckets", "num_seqs_buckets", "decode_context_length_buckets")
 _MIN_DEFAULT_PREFILL_BUCKET = 128
@@ -38,6 +38,22 @@ class Buckets:
     decode_context_length: tuple[int, ...]  # () when off; max_model_len is the implicit last
     block_size: int
     max_model_len: int
+
+    @classmethod
+    def from_config(cls, config: AxonConfig) -> Buckets:
+        """The buckets of a config that resolve_config() resolved (every list concrete)."""
+        comp = config.compilation_config
+        tokens, seqs, contexts = (
+            comp.num_batched_tokens_buckets,
+            comp.num_seqs_buckets,
+            comp.decode_context_length_buckets,
+        )
+        max_model_len = config.model_config.max_model_len
+        assert tokens is not None and seqs is not None and contexts is not None, (
+            "resolve_config() resolves the bucket lists"
+        )
+        assert max_model_len is not None, "resolve_config() sets max_model_len"
+        return cls(tokens, seqs, contexts, config.cache_config.block_size, max_model_len)
 
     @property
     def token_sizes(self) -> tuple[int, ...]:
@@ -95,9 +111,11 @@ def parse_bucket_list(name: str, value: Any) -> tuple[int, ...] | None:
     return tuple(value)
 
 
-def resolve_buckets(config: AxonConfig) -> Buckets:
-    """The buckets of a resolved config: flags first, then additional_config.neuron_config
-    (vllm-neuron's keys), then the defaults. Every list is checked; errors name the value."""
+def resolve_bucket_lists(config: AxonConfig) -> CompilationConfig:
+    """The compilation config with every bucket list concrete (decode_context_length_buckets
+    () when off): flags first, then additional_config.neuron_config (vllm-neuron's keys), then
+    the defaults. Every list is checked; errors name the value. Called once, by resolve_config();
+    everything after reads the lists from the config."""
     neuron = (config.additional_config or {}).get("neuron_config") or {}
     if not isinstance(neuron, dict):
         raise ValueError(  # noqa: TRY004 (user input: a ValueError, as every config check raises)
@@ -135,7 +153,12 @@ def resolve_buckets(config: AxonConfig) -> Buckets:
                 f"decode_context_length_buckets value {c} is not below max_model_len {max_model_len} "
                 "(max_model_len is the implicit last bucket)"
             )
-    return Buckets(tokens, seqs, contexts, block_size, max_model_len)
+    return replace(
+        comp,
+        num_batched_tokens_buckets=tokens,
+        num_seqs_buckets=seqs,
+        decode_context_length_buckets=contexts,
+    )
 
 
 def _check_list(name: str, values: tuple[int, ...], last: int | None, last_name: str) -> None:

@@ -9,9 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-import axon
 from axon.config import AxonConfig
-from axon.core.kv_cache_utils import cdiv
 from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
@@ -26,7 +24,8 @@ from axon.platforms import (
 from axon.platforms.cpu_kernels import cpu_kernels_loaded
 from axon.platforms.cpu_threads import configure_cpu_threads, init_cpu_process
 from axon.startup import startup_phase
-from axon.worker.buckets import resolve_buckets
+from axon.version import __version__
+from axon.worker.buckets import Buckets
 from axon.worker.compiler import BucketCompiler, compile_cache_key
 from axon.worker.model_runner import ModelRunner
 
@@ -72,7 +71,8 @@ def decide_num_blocks(
         budget = int(cache.kv_cache_space_gib * _GIB)
         why = f"kv_cache_space_gib {cache.kv_cache_space_gib:g} GiB"
     else:
-        need = (sched.max_num_seqs * cdiv(max_model_len, cache.block_size) + 1) * bytes_per_block
+        blocks_per_seq = -(-max_model_len // cache.block_size)
+        need = (sched.max_num_seqs * blocks_per_seq + 1) * bytes_per_block
         budget, limit = min(
             (need, "what they need"),
             (int(AUTO_CPU_KV_CAP_GIB * _GIB), f"the {AUTO_CPU_KV_CAP_GIB:g} GiB cap"),
@@ -119,7 +119,7 @@ class Worker:
         )
         self.model_load_time_s = time.perf_counter() - t0
         hf = config.model_config.hf_config or {}
-        self.buckets = resolve_buckets(config)
+        self.buckets = Buckets.from_config(config)
         self.compiler = None if config.compilation_config.enforce_eager else self._make_compiler()
         self.runner = ModelRunner(
             self.model,
@@ -143,7 +143,7 @@ class Worker:
                 "attention_backend": self.attention_backend,
                 "linear_backend": self.linear_backend,
                 "torch": torch.__version__,
-                "axon": axon.__version__,
+                "axon": __version__,
             }
         )
         assert m.cache_root is not None, "resolve_config() sets cache_root"

@@ -8,12 +8,13 @@ import json
 import pytest
 import torch
 
-from axon.config import CacheConfig, SchedulerConfig, build_config
+from axon.config import CacheConfig, SchedulerConfig
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
 from axon.core.scheduler_output import GrammarOutput, ModelRunnerOutput
+from axon.engine.arg_utils import create_engine_config
 from axon.sample.grammar import GrammarBitmask, apply_grammar_bitmask, unpack_bitmask
-from axon.sampling_params import SamplingParams
+from axon.sampling_params import SamplingParams, StructuredOutputsParams
 from axon.structured_output.backend_xgrammar import validate_structured_outputs
 from axon.structured_output.manager import StructuredOutputManager, Verdict
 from axon.structured_output.options import (
@@ -21,7 +22,6 @@ from axon.structured_output.options import (
     StructuredOutputsOptions,
     parse_structured_outputs_config,
 )
-from axon.structured_output.params import StructuredOutputsParams
 
 VOCAB = 49152
 SCHEMA = {
@@ -31,15 +31,19 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path: str):
+def _load(path: str):
     from axon.engine.tokenizer import get_tokenizer
 
-    return get_tokenizer(smollm2_path)
+    return get_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path: str):
+    return _load(smollm2_path)
 
 
 def make_manager(smollm2_path: str, **kwargs) -> StructuredOutputManager:
-    return StructuredOutputManager(StructuredOutputsOptions(), smollm2_path, VOCAB, **kwargs)
+    return StructuredOutputManager(StructuredOutputsOptions(), lambda: _load(smollm2_path), VOCAB, **kwargs)
 
 
 def make_request(req_id: str, tokenizer, prompt: str = "JSON:", **so) -> Request:
@@ -82,10 +86,11 @@ def test_options_and_config_checks() -> None:
     assert parse_structured_outputs_config({"disable_any_whitespace": True}).disable_any_whitespace
     with pytest.raises(ValueError, match="backend 'outlines' is not supported"):
         parse_structured_outputs_config({"backend": "outlines"})
+    # Checked when the config is resolved, before any model work (config.py imports no feature).
     with pytest.raises(ValueError, match=r"unknown keys \['whitespace'\]"):
-        build_config(structured_outputs_config='{"whitespace": false}')
+        create_engine_config(structured_outputs_config='{"whitespace": false}')
     with pytest.raises(ValueError, match="reasoning_parser 'o1' is not supported"):
-        build_config(reasoning_parser="o1")
+        create_engine_config(reasoning_parser="o1")
     assert parse_structured_outputs_config({"max_whitespace_cnt": None}).max_whitespace_cnt is None
     for bad in (0, -1, True, "2", 1.5):
         with pytest.raises(ValueError, match="max_whitespace_cnt must be a positive integer"):
@@ -270,7 +275,7 @@ NEWLINE_RUN = 40  # far past any bound under test
 def test_whitespace_between_json_tokens_is_bounded(
     smollm2_path: str, tokenizer, config: dict, request_whitespace: dict, longest_run: int, kind: str
 ) -> None:
-    manager = StructuredOutputManager(parse_structured_outputs_config(config), smollm2_path, VOCAB)
+    manager = StructuredOutputManager(parse_structured_outputs_config(config), lambda: tokenizer, VOCAB)
     constraint = {"json": SCHEMA} if kind == "json" else {"json_object": True}
     request = make_request("ws", tokenizer, **constraint, **request_whitespace)
     manager.init_request(request)

@@ -9,12 +9,17 @@ import torch
 from axon.config import build_config, replace
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import AttentionMetadata
-from axon.worker.buckets import Buckets, bucket_name, parse_bucket_list, powers_of_two, resolve_buckets
+from axon.worker.buckets import Buckets, bucket_name, parse_bucket_list, powers_of_two, resolve_bucket_lists
 
 
 def _resolved(max_num_seqs: int = 8, max_num_batched_tokens: int = 512, max_model_len: int = 1024, **kw):
     config = build_config(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **kw)
     return replace(config, model_config=replace(config.model_config, max_model_len=max_model_len))
+
+
+def resolve_buckets(config) -> Buckets:
+    """What resolve_config() stores and the worker reads."""
+    return Buckets.from_config(replace(config, compilation_config=resolve_bucket_lists(config)))
 
 
 def test_defaults_are_powers_of_two_ending_at_the_maxima() -> None:
@@ -82,6 +87,12 @@ def test_padding_never_changes_logits(tiny_model_dir) -> None:
 
     config = create_engine_config(model=tiny_model_dir("llama"), dtype="float32", num_gpu_blocks_override=32)
     worker = Worker(config)
+    # Resolved once, into the config, and read from there by the worker.
+    comp = config.compilation_config
+    assert comp.num_seqs_buckets is not None and comp.num_batched_tokens_buckets is not None
+    assert comp.decode_context_length_buckets == ()
+    assert worker.buckets == Buckets.from_config(config)
+    assert worker.buckets.num_seqs == comp.num_seqs_buckets
     worker.initialize_kv_cache(32)
     model, layers = worker.model, worker.model.attention_layers()
     g = torch.Generator().manual_seed(0)
