@@ -2,7 +2,8 @@
 
 Runs the model on one sequence through the real paged-attention path, on a private KV cache
 (the layers' own cache is restored afterwards), optionally in prefill segments so that the
-cached-prefix branch of attention is exercised too.
+cached-prefix branch of attention is exercised too. It drives a model as the runner does, so it
+lives with the runner (debug/ is below model/ and may not import it).
 """
 
 from __future__ import annotations

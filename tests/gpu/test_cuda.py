@@ -21,7 +21,7 @@ import torch
 import transformers as tf
 
 from axon import LLM, SamplingParams
-from axon.debug.logit_validation import teacher_forced_logits
+from axon.worker.logit_validation import teacher_forced_logits
 from tests.server.conftest import ServerProcess
 
 # AXON_GPU_TEST_DEVICE=cpu runs this module on the CPU, to try it out on a machine without CUDA.

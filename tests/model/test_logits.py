@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 
 from axon import LLM
-from axon.debug.logit_validation import teacher_forced_logits
+from axon.worker.logit_validation import teacher_forced_logits
 
 FAMILIES = ["llama", "llama3", "llama_tied", "qwen2", "qwen3", "mistral"]
 
