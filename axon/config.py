@@ -96,8 +96,13 @@ class ParallelConfig:
     """1 only, for now."""
     enable_expert_parallel: bool = False
     """Expert parallelism for MoE models: not implemented yet (an error if set)."""
+    distributed_executor_backend: str | None = None
+    """How the workers run (axon/executor/abstract.py): uni (one worker in this process); mp and
+    ray are not implemented yet. None: uni."""
 
 
+EXECUTOR_BACKENDS = ("uni",)  # see axon/executor/abstract.py
+PLANNED_EXECUTOR_BACKENDS = ("mp", "ray")  # vLLM's names, for the parallelism issue
 BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
 LINEAR_BACKENDS = ("auto", "cpu_bf16", "onednn", "torch")  # see axon/model/layers/linear.py
 
@@ -328,6 +333,14 @@ def validate_config(config: AxonConfig) -> None:
     need(s.scheduling_policy == "fcfs", "scheduling_policy", s.scheduling_policy, "supports only 'fcfs'")
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         need(getattr(p, name) == 1, name, getattr(p, name), "must be 1 (parallelism is not built yet)")
+    backend = p.distributed_executor_backend
+    need(
+        backend is None or backend in EXECUTOR_BACKENDS,
+        "distributed_executor_backend",
+        backend,
+        f"{'is not implemented yet' if backend in PLANNED_EXECUTOR_BACKENDS else 'is unknown'}; "
+        f"supported: {', '.join(EXECUTOR_BACKENDS)}",
+    )
     need(
         config.device_config.device in ("auto", "cpu", "cuda"),
         "device",

@@ -3,11 +3,12 @@
 It owns the scheduler and the executor and knows no tokenizer: it speaks token ids in
 (``EngineCoreRequest``) and out (``EngineCoreOutputs``), so it can run in its own process.
 
-With async scheduling the forward runs on a worker thread, one step in flight ahead: while step
-N runs, this thread schedules step N+1 and queues it behind N, then applies N's output (stop
-checks, outputs, detokenization by the caller) while N+1 runs. The worker executes steps in
+The executor (``axon/executor/abstract.py``) returns each step as a future. With async
+scheduling (``executor.max_concurrent_batches > 1``) one step is in flight ahead: while step N
+runs, this thread schedules step N+1 and queues it behind N, then applies N's output (stop
+checks, outputs, detokenization by the caller) while N+1 runs. The executor runs steps in
 order, so N+1 reads the tokens N sampled (see ``axon/core/scheduler.py``); outputs are the
-same as in synchronous mode. Steps with structured outputs run synchronously.
+same as in synchronous mode. Steps with structured outputs are not scheduled ahead.
 """
 
 from __future__ import annotations
@@ -16,20 +17,21 @@ import functools
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from axon.config import AxonConfig
 from axon.core.kv_cache_utils import cdiv, make_block_hasher
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
-from axon.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from axon.engine.tokenizer import get_tokenizer
-from axon.executor.uniproc import UniProcExecutor
-from axon.platforms import resolve_device
+from axon.executor.abstract import Executor
 from axon.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+InFlightStep = tuple[SchedulerOutput, Future[ModelRunnerOutput]]
 
 
 class EngineCore:
@@ -38,7 +40,7 @@ class EngineCore:
         self.config = config
         max_model_len = config.model_config.max_model_len
         assert max_model_len is not None, "resolve_config() sets max_model_len"
-        self.executor = UniProcExecutor(config)
+        self.executor: Executor = Executor.get_class(config)(config)
         num_blocks = self.executor.determine_num_blocks()
         _check_kv_fits(num_blocks, config.cache_config.block_size, max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
@@ -53,15 +55,11 @@ class EngineCore:
             ),
         )
         self.block_hasher = make_block_hasher(config.cache_config.block_size)
-        self.async_scheduling = resolve_async_scheduling(config)
-        # Async scheduling: the one thread every forward runs on, and the step in flight.
-        self._pool = (
-            ThreadPoolExecutor(1, thread_name_prefix="axon-step", initializer=self.executor.init_thread)
-            if self.async_scheduling
-            else None
-        )
-        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
-        self.executor.compile_or_warm_up_model()
+        self.async_scheduling = self.executor.max_concurrent_batches > 1
+        self._in_flight: InFlightStep | None = None
+        # Worker facts not yet reported: compile events, then (first report only) start-up times.
+        self._unreported_compiles: list[CompileEvent] = self.executor.compile_or_warm_up_model()
+        self.model_load_time_s = self.executor.model_load_time_s
         self.startup_time_s = time.perf_counter() - t0
         logger.info("engine core ready in %.1f s", self.startup_time_s)
         self._reported_startup = False
@@ -89,19 +87,11 @@ class EngineCore:
         if self._in_flight is None:
             if not self.scheduler.has_unfinished_requests():
                 return EngineCoreOutputs(outputs=[])
-            scheduler_output = self._schedule()
-            if self._pool is None or not self.scheduler.can_schedule_ahead():
-                return self._finish(scheduler_output, self._execute(scheduler_output))
-            self._in_flight = (scheduler_output, self._pool.submit(self._execute, scheduler_output))
+            self._in_flight = self._execute(self._schedule())
         scheduler_output, future = self._in_flight
         self._in_flight = None
-        if self.scheduler.has_unfinished_requests() and self.scheduler.can_schedule_ahead():
-            ahead = self.scheduler.schedule()
-            if ahead.is_empty:  # every running request's next token is in flight and its last
-                self.scheduler.finished_req_ids |= ahead.finished_req_ids
-            else:
-                assert self._pool is not None
-                self._in_flight = (ahead, self._pool.submit(self._execute, ahead))
+        if self.async_scheduling:
+            self._schedule_ahead()
         return self._finish(scheduler_output, future.result())
 
     def _schedule(self) -> SchedulerOutput:
@@ -113,14 +103,18 @@ class EngineCore:
             )
         return scheduler_output
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            return self.executor.execute_model(scheduler_output)
-        except Exception:
-            logger.exception(
-                "step failed; scheduled tokens per request: %s", scheduler_output.num_scheduled_tokens
-            )
-            raise
+    def _execute(self, scheduler_output: SchedulerOutput) -> InFlightStep:
+        return scheduler_output, self.executor.execute_model(scheduler_output)
+
+    def _schedule_ahead(self) -> None:
+        """Queue step N+1 behind the step in flight, where the scheduler allows it."""
+        if not (self.scheduler.has_unfinished_requests() and self.scheduler.can_schedule_ahead()):
+            return
+        ahead = self.scheduler.schedule()
+        if ahead.is_empty:  # every running request's next token is in flight and its last
+            self.scheduler.finished_req_ids |= ahead.finished_req_ids
+        else:
+            self._in_flight = self._execute(ahead)
 
     def _finish(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -131,30 +125,25 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
-        stats.compiles = self.executor.take_compile_events()
+        stats.compiles, self._unreported_compiles = self._unreported_compiles, []
         if not self._reported_startup:
-            stats.model_load_time_s = self.executor.model_load_time_s
+            stats.model_load_time_s = self.model_load_time_s
             stats.startup_time_s = self.startup_time_s
             self._reported_startup = True
         return stats
 
     def compile_pending(self) -> bool:
         """Between steps with nothing to run: compile the buckets traffic reached (never beside
-        a step in flight: tracing would catch the forward on the other thread)."""
+        a step in flight: tracing would catch the forward on the other thread). True if any
+        bucket compiled; its events go out with the next stats."""
         if self._in_flight is not None:
             return False
-        return self.executor.compile_pending()
+        compiles = self.executor.compile_pending()
+        self._unreported_compiles += compiles
+        return bool(compiles)
 
-
-def resolve_async_scheduling(config: AxonConfig) -> bool:
-    """None: on for CUDA, where the CPU is idle while the GPU runs a step; off on the CPU, where
-    the forward's threads own every core: the scheduling thread then takes a core from one of
-    them mid-step and the whole parallel region waits for it (tiny Llama, batch 16, 2 cores:
-    843-857 tok/s async against 1092-1374 sync)."""
-    value = config.scheduler_config.async_scheduling
-    if value is None:
-        return resolve_device(config.device_config.device).type == "cuda"
-    return value
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
 
 def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

@@ -80,6 +80,7 @@ def run_engine_core(config: AxonConfig, input_addr: str, output_addr: str) -> No
         core = EngineCore(config)
         out.send_multipart(encode(READY, {"num_blocks": core.num_blocks, "pid": os.getpid()}))
         _loop(core, inp, out, _step_function(core))
+        core.shutdown()
     except Exception:  # noqa: BLE001 (any failure must reach the front end as DEAD)
         error = traceback.format_exc()
         logger.error("engine core died:\n%s", error)

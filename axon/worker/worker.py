@@ -157,11 +157,13 @@ class Worker:
             policy=self.config.compilation_config.bucket_compile,
         )
 
-    def compile_or_warm_up_model(self) -> None:
-        """Under bucket_compile="warmup", compile every bucket now (the KV cache is bound)."""
+    def compile_or_warm_up_model(self) -> list[CompileEvent]:
+        """Under bucket_compile="warmup", compile every bucket now (the KV cache is bound); the
+        compile events."""
         if self.compiler is None:
             logger.info("enforce_eager: every step runs eagerly, nothing is compiled")
-        elif self.compiler.policy == "warmup":
+            return []
+        if self.compiler.policy == "warmup":
             sizes = self.compiler.token_sizes
             with startup_phase(f"compiling {len(sizes)} buckets {list(sizes)} (bucket_compile=warmup)"):
                 self.compiler.warmup()
@@ -170,16 +172,15 @@ class Worker:
                 "bucket_compile=on_demand: buckets run eagerly until the idle engine compiles "
                 "the ones traffic reached"
             )
+        return self.compiler.take_events()
 
-    def take_compile_events(self) -> list[CompileEvent]:
-        return self.compiler.take_events() if self.compiler is not None else []
-
-    def compile_pending(self) -> bool:
-        """Compile the buckets traffic reached (the engine is idle). True if any was."""
+    def compile_pending(self) -> list[CompileEvent]:
+        """Compile the buckets traffic reached (the engine is idle); the compile events (empty:
+        nothing was pending)."""
         if self.compiler is None or not self.compiler.has_pending:
-            return False
+            return []
         self.compiler.compile_pending()
-        return True
+        return self.compiler.take_events()
 
     def bytes_per_block(self) -> int:
         arch = self.model.arch

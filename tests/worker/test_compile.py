@@ -34,6 +34,13 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
+def _assert_reports_compiles_once(llm: LLM, names: list[str]) -> None:
+    """The compile events reach the stats the metrics read (axon:compilation_time_seconds), once."""
+    core = llm.llm_engine.engine_core
+    assert sorted(c.name for c in core.make_stats().compiles) == names
+    assert core.make_stats().compiles == []
+
+
 @pytest.fixture(scope="module")
 def eager_tokens(tiny_model_dir) -> list[list[int]]:
     llm = LLM(
@@ -54,6 +61,7 @@ def test_compiled_equals_eager_on_every_bucket(tiny_model_dir, tmp_path, eager_t
     )
     compiler = _worker(llm).compiler
     assert sorted(compiler.stats.records) == [4, 32] and not compiler.stats.failures
+    _assert_reports_compiles_once(llm, ["tokens_32", "tokens_4"])
     assert _tokens(llm) == eager_tokens
     assert compiler.stats.graph_steps >= 10  # every step: one prefill step, then decodes
 
@@ -71,7 +79,9 @@ def test_on_demand_compiles_what_traffic_reached_when_idle(tiny_model_dir, tmp_p
     assert compiler.stats.records == {}  # nothing compiled before traffic
     assert _tokens(llm) == eager_tokens  # eager: the buckets are not compiled yet
     assert compiler.stats.records == {} and compiler.stats.graph_steps == 0
-    # The next call finds the engine idle and compiles the two buckets the first one reached.
+    # Idle now: the two buckets the first call reached compile (the next call would do it).
+    assert llm.llm_engine.engine_core.compile_pending()
+    _assert_reports_compiles_once(llm, ["tokens_32", "tokens_4"])
     assert _tokens(llm) == eager_tokens
     assert sorted(compiler.stats.records) == [4, 32] and not compiler.stats.failures
     assert compiler.stats.graph_steps >= 10
