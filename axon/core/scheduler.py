@@ -28,9 +28,9 @@ from collections.abc import Iterable
 from axon.config import CacheConfig, SchedulerConfig
 from axon.core.kv_cache_manager import KVCacheManager
 from axon.core.kv_cache_utils import max_concurrency
-from axon.core.outputs import EngineCoreOutput, SchedulerStats
+from axon.step_outputs import EngineCoreOutput, SchedulerStats
 from axon.core.request import Request, RequestStatus
-from axon.core.scheduler_output import (
+from axon.scheduler_output import (
     CachedRequestData,
     GrammarOutput,
     ModelRunnerOutput,

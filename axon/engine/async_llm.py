@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from axon.config import AxonConfig
-from axon.core.outputs import SchedulerStats
+from axon.step_outputs import SchedulerStats
 from axon.engine.core_proc import (
     ABORT,
     ADD,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from axon.core.outputs import EngineCoreOutput, SchedulerStats
+from axon.step_outputs import EngineCoreOutput, SchedulerStats
 from axon.sampling_params import EngineSamplingParams
 
 

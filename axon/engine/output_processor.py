@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from axon.core.outputs import EngineCoreOutput
-from axon.core.scheduler_output import LogprobsLists
+from axon.step_outputs import EngineCoreOutput
+from axon.scheduler_output import LogprobsLists
 from axon.engine.detokenizer import IncrementalDetokenizer
 from axon.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from axon.sampling_params import RequestOutputKind, SamplingParams

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
 from axon.config import EXECUTOR_BACKENDS, AxonConfig
-from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
+from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.platforms import resolve_device
 
 # distributed_executor_backend -> the executor class, imported only when chosen (a Ray executor

@@ -13,7 +13,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from axon.config import AxonConfig
-from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
+from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.executor.abstract import Executor, resolve_async_scheduling
 from axon.worker.worker import Worker
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from axon.core.outputs import SchedulerStats
+from axon.step_outputs import SchedulerStats
 
 _SEQS_BUCKETS = [2**i for i in range(11)]  # 1 .. 1024
 _TOKENS_BUCKETS = [2**i for i in range(5, 15)]  # 32 .. 16384

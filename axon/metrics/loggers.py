@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from axon.core.outputs import SchedulerStats
+from axon.step_outputs import SchedulerStats
 from axon.metrics.stats import IterationStats
 
 logger = logging.getLogger("axon.metrics")

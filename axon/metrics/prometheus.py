@@ -18,7 +18,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
 
-from axon.core.outputs import SchedulerStats
+from axon.step_outputs import SchedulerStats
 from axon.metrics.execution import ExecutionMetrics
 from axon.metrics.stats import FinishedRequestStats, IterationStats
 

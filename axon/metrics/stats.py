@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from axon.core.outputs import EngineCoreOutput, SchedulerStats
+from axon.step_outputs import EngineCoreOutput, SchedulerStats
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from axon.core.scheduler_output import GrammarOutput
+from axon.scheduler_output import GrammarOutput
 
 
 @dataclass

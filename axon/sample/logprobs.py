@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from axon.core.scheduler_output import LogprobsLists
+from axon.scheduler_output import LogprobsLists
 
 
 @dataclass

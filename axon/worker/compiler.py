@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from axon.config import BUCKET_COMPILE_POLICIES
-from axon.core.scheduler_output import CompileEvent
+from axon.scheduler_output import CompileEvent
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import AttentionMetadata
 

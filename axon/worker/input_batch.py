@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from axon.core.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
+from axon.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
 from axon.sampling_params import EngineSamplingParams, SamplingType
 
 

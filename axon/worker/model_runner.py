@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from axon.core.scheduler_output import BucketStep, LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from axon.scheduler_output import BucketStep, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import AttentionMetadata
 from axon.sample.grammar import GrammarBitmask

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from axon.config import AxonConfig
-from axon.core.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
+from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model

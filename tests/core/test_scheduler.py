@@ -19,10 +19,10 @@ import pytest
 
 from axon.config import CacheConfig, SchedulerConfig
 from axon.core.kv_cache_utils import make_block_hasher
-from axon.core.outputs import EngineCoreOutput
+from axon.step_outputs import EngineCoreOutput
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
-from axon.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from axon.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from axon.sampling_params import SamplingParams
 
 EOS = 2

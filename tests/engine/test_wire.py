@@ -11,8 +11,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axon.core.outputs import EngineCoreOutput, SchedulerStats
-from axon.core.scheduler_output import BucketStep, CompileEvent, LogprobsLists
+from axon.step_outputs import EngineCoreOutput, SchedulerStats
+from axon.scheduler_output import BucketStep, CompileEvent, LogprobsLists
 from axon.engine.core_proc import ADD, OUTPUTS, decode_outputs, decode_request, encode
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from axon.pooling_params import PoolingParams

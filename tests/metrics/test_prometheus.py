@@ -7,7 +7,7 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from axon.core.outputs import EngineCoreOutput, SchedulerStats
+from axon.step_outputs import EngineCoreOutput, SchedulerStats
 from axon.metrics.loggers import LoggingStatLogger
 from axon.metrics.prometheus import (
     ITL_BUCKETS_S,
@@ -263,7 +263,7 @@ def test_logging_counts_only_since_the_last_line_and_skips_idle(
 
 
 def test_execution_metrics_from_scheduler_stats() -> None:
-    from axon.core.scheduler_output import BucketStep, CompileEvent
+    from axon.scheduler_output import BucketStep, CompileEvent
 
     logger = PrometheusStatLogger(MODEL)
     first = SchedulerStats(

@@ -11,7 +11,7 @@ import torch
 from axon.config import CacheConfig, SchedulerConfig
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
-from axon.core.scheduler_output import GrammarOutput, ModelRunnerOutput
+from axon.scheduler_output import GrammarOutput, ModelRunnerOutput
 from axon.engine.arg_utils import create_engine_config
 from axon.sample.grammar import GrammarBitmask, apply_grammar_bitmask, unpack_bitmask
 from axon.sampling_params import SamplingParams, StructuredOutputsParams

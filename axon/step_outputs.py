@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from axon.core.scheduler_output import BucketStep, CompileEvent, LogprobsLists
+from axon.scheduler_output import BucketStep, CompileEvent, LogprobsLists
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
