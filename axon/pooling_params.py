@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import msgspec
+
 POOLING_TASKS = ("embed",)
 
 
@@ -43,6 +45,19 @@ class PoolingParams:
 
     def clone(self) -> PoolingParams:
         return copy.deepcopy(self)
+
+    def for_engine(self, default_normalize: bool) -> EnginePoolingParams:
+        """The engine's resolved record: ``normalize`` filled from the model's default."""
+        normalize = default_normalize if self.normalize is None else self.normalize
+        return EnginePoolingParams(dimensions=self.dimensions, normalize=normalize)
+
+
+class EnginePoolingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the worker needs to finish a pooled vector, resolved by the front end (the model's
+    pooling type is the worker's own). Plain values: decoding re-derives nothing."""
+
+    dimensions: int | None
+    normalize: bool
 
 
 def _is_int(value: object) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from axon.pooling_params import EnginePoolingParams
 from axon.sampling_params import EngineSamplingParams
 
 
@@ -20,9 +21,10 @@ class NewRequestData:
     prompt_token_ids: list[int]
     # Tokens generated before a preemption (empty for a fresh request).
     output_token_ids: list[int]
-    sampling_params: EngineSamplingParams
+    sampling_params: EngineSamplingParams | None  # None: a pooling request
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: EnginePoolingParams | None = None
 
 
 @dataclass
@@ -101,6 +103,8 @@ class ModelRunnerOutput:
     # req_id -> logprobs for the prompt positions computed this step (first position excluded).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     bucket: BucketStep | None = None
+    # req_id -> the finished vector of each pooling request whose prompt completed this step.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

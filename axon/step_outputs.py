@@ -16,6 +16,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float = 0.0
+    # A pooling request's vector, sent once with its finish (finish_reason "stop").
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

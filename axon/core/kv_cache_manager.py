@@ -80,8 +80,9 @@ class KVCacheManager:
         token's logits are needed to sample. A prompt of exactly 2 blocks hits at most 1.
         The blocks are not yet referenced; ``allocate_slots`` touches them.
         """
-        # Prompt logprobs need logits at every prompt position, which a hit would skip.
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        # Prompt logprobs need logits at every prompt position, and a pooling request (MEAN,
+        # MAX) the hidden state of every prompt token: a hit would skip them.
+        if not self.enable_caching or request.is_pooling or request.wants_prompt_logprobs:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         computed_blocks: list[KVCacheBlock] = []

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from axon.pooling_params import EnginePoolingParams
 from axon.sampling_params import EngineSamplingParams
 
 
@@ -76,16 +77,20 @@ class Request:
         self,
         req_id: str,
         prompt_token_ids: list[int],
-        sampling_params: EngineSamplingParams,
+        sampling_params: EngineSamplingParams | None,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
+        pooling_params: EnginePoolingParams | None = None,
     ) -> None:
         assert prompt_token_ids, "a request needs at least one prompt token"
+        assert (sampling_params is None) != (pooling_params is None), "one of sampling or pooling"
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        # A pooling request computes its prompt, is pooled, and finishes: it never samples.
+        self.pooling_params = pooling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
@@ -110,7 +115,17 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
+        if self.sampling_params is None:
+            return 0  # a pooling request generates nothing
         return self.sampling_params.max_tokens  # resolved by the input processor
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params is not None and self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,6 +10,13 @@ Each step spends a budget of ``max_num_batched_tokens``:
      admission, which keeps the order fair.
 No phases: a prompt longer than the budget is simply prefilled over several steps.
 
+Pooling requests (embeddings) are scheduled like any prefill and batched with everything
+else; the step that computes a pooling request's last prompt token returns its pooled vector,
+which finishes it (reason "stop"): it never samples and never holds a placeholder. With an
+encoder-only model (``encoder_only``: bidirectional attention, no KV cache) a prompt is never
+split across steps: it is admitted only when the whole prompt fits the step's remaining budget,
+and a prompt longer than ``max_num_batched_tokens`` runs alone in a step of its own.
+
 Async scheduling: the engine may schedule step N+1 before step N's sampled tokens are known.
 Every request that samples in a step carries a placeholder for that token
 (``num_output_placeholders``) until ``update_from_output`` brings it, and is scheduled one token
@@ -33,6 +40,7 @@ from axon.core.request import Request, RequestStatus
 from axon.scheduler_output import (
     CachedRequestData,
     GrammarOutput,
+    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -48,6 +56,7 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
+        encoder_only: bool = False,
     ) -> None:
         assert scheduler_config.max_num_batched_tokens is not None, (
             "resolve_config sets max_num_batched_tokens"
@@ -56,7 +65,9 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
-        self.enable_caching = cache_config.enable_prefix_caching
+        self.encoder_only = encoder_only
+        # An encoder keeps no KV, so there is no prefix to reuse.
+        self.enable_caching = cache_config.enable_prefix_caching and not encoder_only
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, max_model_len, self.enable_caching
         )
@@ -79,7 +90,7 @@ class Scheduler:
         assert request.req_id not in self.requests, f"duplicate request id {request.req_id}"
         self.requests[request.req_id] = request
         som = self.structured_output_manager
-        if som is not None and som.init_request(request):
+        if som is not None and not request.is_pooling and som.init_request(request):
             request.status = RequestStatus.WAITING_FOR_FSM  # its first state: no transition
             self.waiting_for_grammar[request.req_id] = request
             return
@@ -132,6 +143,8 @@ class Scheduler:
         for req_id, n in num_scheduled.items():
             req = self.requests[req_id]
             req.num_computed_tokens += n
+            if req.is_pooling:
+                continue  # pooled, not sampled: update_from_output finishes it
             if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # it samples this step; update_from_output settles it
         out = SchedulerOutput(
@@ -152,6 +165,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.is_pooling and req.num_computed_tokens == req.num_tokens:
+                i += 1  # its vector comes with the step in flight
+                continue
             pending = req.num_output_placeholders
             if pending and (
                 req.num_output_tokens + pending >= req.max_tokens
@@ -185,9 +201,14 @@ class Scheduler:
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: resumable once it arrives
             hit_blocks, num_hit_tokens = [], 0
-            if req.sampling_params.prompt_logprobs is None:  # prompt logprobs need every position
-                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
+            if self.encoder_only and n < req.num_tokens:
+                # An encoder attends over the whole prompt at once: it waits for a step with
+                # room, and one longer than the whole budget runs in a step of its own.
+                if budget < self.max_num_batched_tokens:
+                    break
+                n = req.num_tokens
             new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_hit_tokens, hit_blocks)
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
@@ -206,6 +227,7 @@ class Scheduler:
                     sampling_params=req.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(req.req_id),
                     num_computed_tokens=num_hit_tokens,
+                    pooling_params=req.pooling_params,
                 )
             )
             num_scheduled[req.req_id] = n
@@ -225,8 +247,18 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        for req_id, pooled in runner_output.pooler_output.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.set_status(RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._output_of(req, [], None, None, pooled))
+            self.running.remove(req)
+            self._free(req)
         for idx, req_id in enumerate(runner_output.req_ids):
             req = self.requests.get(req_id)
+            if req is not None and req.is_pooling:
+                continue  # pooled above, or a prefill segment
             sampled = runner_output.sampled_token_ids[idx]
             if req is not None and sampled and req.num_output_placeholders:
                 req.num_output_placeholders -= len(sampled)
@@ -242,22 +274,34 @@ class Scheduler:
             if not new_token_ids and prompt_logprobs is None:
                 continue  # a prefill segment: nothing to report yet
             outputs.append(
-                EngineCoreOutput(
-                    req_id=req_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=runner_output.logprobs.get(req_id),
-                    new_prompt_logprobs=prompt_logprobs,
-                    finish_reason=req.get_finish_reason(),
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                    first_scheduled_time=req.first_scheduled_time,
-                )
+                self._output_of(req, new_token_ids, runner_output.logprobs.get(req_id), prompt_logprobs)
             )
             if req.is_finished():
                 # Running, or preempted by a step scheduled ahead while its token was in flight.
                 (self.running if req in self.running else self.waiting).remove(req)
                 self._free(req)
         return outputs
+
+    @staticmethod
+    def _output_of(
+        req: Request,
+        new_token_ids: list[int],
+        new_logprobs: LogprobsLists | None,
+        prompt_logprobs: LogprobsLists | None,
+        pooled: list[float] | None = None,
+    ) -> EngineCoreOutput:
+        """The request's output of this step (finished or not)."""
+        return EngineCoreOutput(
+            req_id=req.req_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=req.get_finish_reason(),
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            first_scheduled_time=req.first_scheduled_time,
+            pooled=pooled,
+        )
 
     def _check_stop(self, req: Request) -> bool:
         params = req.sampling_params
@@ -295,7 +339,7 @@ class Scheduler:
         if self.structured_output_manager is None:
             return None
         sampling = [self.requests[req_id] for req_id in num_scheduled]
-        sampling = [r for r in sampling if r.num_computed_tokens == r.num_tokens]
+        sampling = [r for r in sampling if r.num_computed_tokens == r.num_tokens and not r.is_pooling]
         rows = self.structured_output_manager.grammar_output(sampling)
         return None if rows is None else GrammarOutput(req_ids=rows[0], bitmask=rows[1])
 

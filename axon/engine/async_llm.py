@@ -46,10 +46,12 @@ from axon.engine.core_proc import (
     run_engine_core,
 )
 from axon.engine.input_processor import InputProcessor, PromptType
-from axon.engine.output_processor import OutputProcessor, ParentRequest
+from axon.engine.output_processor import OutputProcessor, ParentRequest, PoolingRequest
+from axon.engine.pooling_inputs import PoolingInput, PoolingInputProcessor
 from axon.engine.tokenizer import get_tokenizer
 from axon.metrics.stats import IterationStats, RequestTimes, StatLogger
-from axon.outputs import RequestOutput
+from axon.outputs import EmbeddingRequestOutput, RequestOutput
+from axon.pooling_params import PoolingParams
 from axon.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,13 +77,15 @@ class AsyncLLM:
         assert config.model_config.tokenizer is not None, "resolve_config() sets the tokenizer"
         self.tokenizer = get_tokenizer(config.model_config.tokenizer, chat_template)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        pooling = config.model_config.runner == "pooling"
+        self.pooling_inputs = PoolingInputProcessor(config, self.input_processor) if pooling else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = stat_loggers or []
         self.errored = False
         self.dead_error: str | None = None
         self.num_blocks = 0
         self.scheduler_stats: SchedulerStats | None = None  # the core's latest report
-        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._queues: dict[str, asyncio.Queue[Any]] = {}  # RequestOutputs or an Exception
         self._children: dict[str, list[str]] = {}
         self._times: dict[str, RequestTimes] = {}
         self._counter = itertools.count()
@@ -212,6 +216,40 @@ class AsyncLLM:
                     raise item
                 finished = item.finished
                 yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    def process_pooling(
+        self, prompt: PromptType, params: PoolingParams, request_id: str | None = None
+    ) -> PoolingInput:
+        """Tokenize and validate one embedding input (ValueError); blocking: call it off the loop."""
+        assert self.pooling_inputs is not None, "an embedding model (runner='pooling') pools"
+        return self.pooling_inputs.process(f"{request_id or 'embd'}-{next(self._counter)}", prompt, params)
+
+    async def encode(self, item: PoolingInput) -> EmbeddingRequestOutput:
+        """Run one processed embedding request in the core; cancelling it aborts it there."""
+        if self.errored:
+            raise EngineDeadError(self.dead_error or "the engine core is not running")
+        core = item.request
+        request_id = core.req_id
+        self.output_processor.check_new_ids([request_id])
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._children[request_id] = [request_id]
+        self.output_processor.add_pooling_request(
+            PoolingRequest(request_id, item.prompt, core.prompt_token_ids)
+        )
+        self._times[request_id] = RequestTimes(core.arrival_time, len(core.prompt_token_ids), None, 1)
+        finished = False
+        try:
+            await self._input.send_multipart(encode(ADD, core))
+            result = await queue.get()
+            if isinstance(result, Exception):
+                raise result
+            finished = True
+            return result
         finally:
             self._queues.pop(request_id, None)
             if not finished:

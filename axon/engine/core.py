@@ -27,6 +27,7 @@ from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutp
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from axon.engine.tokenizer import get_tokenizer
 from axon.executor.abstract import Executor
+from axon.model.registry import is_encoder_only, resolve_model_class
 from axon.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ class EngineCore:
     def __init__(self, config: AxonConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
-        max_model_len = config.model_config.max_model_len
+        m = config.model_config
+        max_model_len = m.max_model_len
         assert max_model_len is not None, "resolve_config() sets max_model_len"
         self.executor: Executor = Executor.get_class(config)(config)
         num_blocks = self.executor.determine_num_blocks()
@@ -52,6 +54,9 @@ class EngineCore:
             num_blocks,
             structured_output_manager=StructuredOutputManager.from_config(
                 config, functools.partial(get_tokenizer, config.model_config.tokenizer)
+            ),
+            encoder_only=is_encoder_only(
+                resolve_model_class((m.hf_config or {}).get("architectures"), m.runner)
             ),
         )
         self.block_hasher = make_block_hasher(config.cache_config.block_size)
@@ -74,6 +79,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 cache_salt=request.cache_salt,
                 block_hasher=self.block_hasher,
+                pooling_params=request.pooling_params,
             )
         )
 
@@ -116,7 +122,9 @@ class EngineCore:
         else:
             self._in_flight = self._execute(ahead)
 
-    def _finish(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+    def _finish(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens

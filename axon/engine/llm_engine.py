@@ -11,9 +11,10 @@ from typing import Any
 from axon.config import AxonConfig
 from axon.engine.core import EngineCore
 from axon.engine.input_processor import InputProcessor, PromptType
-from axon.engine.output_processor import OutputProcessor, ParentRequest
+from axon.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest, PoolingRequest
+from axon.engine.pooling_inputs import PoolingInputProcessor
 from axon.engine.tokenizer import get_tokenizer
-from axon.outputs import RequestOutput
+from axon.pooling_params import PoolingParams
 from axon.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -24,6 +25,8 @@ class LLMEngine:
         assert model_config.tokenizer is not None, "resolve_config() sets the tokenizer"
         self.tokenizer = get_tokenizer(model_config.tokenizer)
         self.input_processor = InputProcessor(model_config, self.tokenizer)
+        pooling = model_config.runner == "pooling"
+        self.pooling_inputs = PoolingInputProcessor(config, self.input_processor) if pooling else None
         self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._child_ids: dict[str, list[str]] = {}
@@ -48,12 +51,26 @@ class LLMEngine:
         self._child_ids[request_id] = [c.req_id for c in children]
         return request_id
 
+    def add_pooling_request(self, prompt: PromptType, params: PoolingParams) -> str:
+        """Validate and enqueue one embedding request. Raises ValueError."""
+        assert self.pooling_inputs is not None, "an embedding model (runner='pooling') pools"
+        request_id = str(next(self._counter))
+        item = self.pooling_inputs.process(request_id, prompt, params)
+        self.output_processor.check_new_ids([request_id])
+        core = item.request
+        self.output_processor.add_pooling_request(
+            PoolingRequest(request_id, item.prompt, core.prompt_token_ids)
+        )
+        self.engine_core.add_request(core)
+        self._child_ids[request_id] = [request_id]
+        return request_id
+
     def abort_request(self, request_ids: list[str]) -> None:
         child_ids = [c for r in request_ids for c in self._child_ids.pop(r, [])]
         self.engine_core.abort_requests(child_ids)
         self.output_processor.abort_requests(child_ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[AnyRequestOutput]:
         core_outputs = self.engine_core.step()
         request_outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
         if stopped:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import msgspec
 
-from axon.step_outputs import EngineCoreOutput, SchedulerStats
+from axon.pooling_params import EnginePoolingParams
 from axon.sampling_params import EngineSamplingParams
+from axon.step_outputs import EngineCoreOutput, SchedulerStats
 
 
 class EngineCoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     """One sample of one request, validated and resolved by the InputProcessor.
+
+    Exactly one of ``sampling_params`` (generation) and ``pooling_params`` (an embedding: the
+    prompt is computed, pooled, and the request ends) is set.
 
     Everything in it is a msgspec Struct or a plain value: decoding in the engine-core process
     re-derives nothing (tests/engine/test_wire.py checks every record's round trip).
@@ -17,10 +21,11 @@ class EngineCoreRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: EngineSamplingParams
+    sampling_params: EngineSamplingParams | None
     eos_token_id: int | None
     arrival_time: float
     cache_salt: str | None = None
+    pooling_params: EnginePoolingParams | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct):

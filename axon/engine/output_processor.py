@@ -2,7 +2,8 @@
 
 A request with n > 1 is one parent with n children in the core; the parent gathers the
 children's CompletionOutputs. A stop string found here finishes the request, and its id is
-returned so that the engine aborts it in the core.
+returned so that the engine aborts it in the core. A pooling request (an embedding) is one core
+request whose single output carries its vector; it becomes an ``EmbeddingRequestOutput``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from typing import Any
 from axon.step_outputs import EngineCoreOutput
 from axon.scheduler_output import LogprobsLists
 from axon.engine.detokenizer import IncrementalDetokenizer
-from axon.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from axon.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from axon.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -28,6 +37,16 @@ class ParentRequest:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     num_finished: int = 0
+
+
+@dataclass
+class PoolingRequest:
+    request_id: str  # also its id in the core
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+AnyRequestOutput = RequestOutput | EmbeddingRequestOutput
 
 
 @dataclass
@@ -49,12 +68,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.children: dict[str, ChildState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        self.pooling: dict[str, PoolingRequest] = {}
 
     def check_new_ids(self, child_ids: list[str]) -> None:
         """The engine core takes an id only once while it runs: a reused one is the caller's
         error (ValueError), never an engine-core crash."""
         for child_id in child_ids:
-            if child_id in self.children:
+            if child_id in self.children or child_id in self.pooling:
                 raise ValueError(f"request id {child_id!r} is already in use by an unfinished request")
 
     def add_request(self, parent: ParentRequest, child_id: str, index: int, params: SamplingParams) -> None:
@@ -68,13 +88,17 @@ class OutputProcessor:
         if params.prompt_logprobs is not None and parent.prompt_logprobs is None:
             parent.prompt_logprobs = [None]  # the first prompt token has no logprob
 
+    def add_pooling_request(self, request: PoolingRequest) -> None:
+        self.pooling[request.request_id] = request
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.children)
+        return bool(self.children or self.pooling)
 
     def abort_requests(self, child_ids: list[str]) -> list[RequestOutput]:
         """Finish children from outside (user abort); returns outputs for finished parents."""
         outs = []
         for child_id in child_ids:
+            self.pooling.pop(child_id, None)  # an aborted embedding has no output
             child = self.children.get(child_id)
             if child is not None:
                 out = self._finish(child_id, child, "abort", None)
@@ -82,11 +106,14 @@ class OutputProcessor:
                     outs.append(out)
         return outs
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[AnyRequestOutput], list[str]]:
         """Returns (request outputs to deliver, child ids that a stop string ended)."""
-        request_outputs: list[RequestOutput] = []
+        request_outputs: list[AnyRequestOutput] = []
         stopped_by_string: list[str] = []
         for out in outputs:
+            if out.req_id in self.pooling:
+                request_outputs.append(self._embedding(self.pooling.pop(out.req_id), out))
+                continue
             child = self.children.get(out.req_id)
             if child is None:
                 continue  # finished here already (stop string) while the core ran one more step
@@ -115,6 +142,17 @@ class OutputProcessor:
             if result is not None:
                 request_outputs.append(result)
         return request_outputs, stopped_by_string
+
+    @staticmethod
+    def _embedding(request: PoolingRequest, out: EngineCoreOutput) -> EmbeddingRequestOutput:
+        assert out.pooled is not None, f"pooling request {out.req_id} finished without a vector"
+        return EmbeddingRequestOutput(
+            request_id=request.request_id,
+            outputs=EmbeddingOutput(out.pooled),
+            prompt_token_ids=request.prompt_token_ids,
+            prompt=request.prompt,
+            num_cached_tokens=out.num_cached_tokens,
+        )
 
     def _finish(
         self, child_id: str, child: ChildState, finish_reason: str, stop_reason: int | str | None

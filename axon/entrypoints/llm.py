@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -11,7 +12,8 @@ from tqdm import tqdm
 from axon.engine.arg_utils import create_engine_config
 from axon.engine.input_processor import PromptType
 from axon.engine.llm_engine import LLMEngine
-from axon.engine.pooling_engine import PoolingEngine
+from axon.engine.output_processor import AnyRequestOutput
+from axon.engine.pooling_inputs import score_outputs, score_pairs
 from axon.engine.tokenizer import render_chat
 from axon.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from axon.pooling_params import PoolingParams
@@ -30,7 +32,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         config = create_engine_config(model=model, **kwargs)
         self.runner_type = config.model_config.runner
-        self.llm_engine: Any = PoolingEngine(config) if self.runner_type == "pooling" else LLMEngine(config)
+        self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -49,8 +51,14 @@ class LLM:
         params = _params_per_prompt(pooling_params, len(prompt_list), PoolingParams, "PoolingParams")
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
-        with _progress(len(prompt_list), use_tqdm) as bar:
-            return self.llm_engine.embed(prompt_list, params, bar.update)
+        engine = self.llm_engine
+        return self._run_all(
+            [
+                functools.partial(engine.add_pooling_request, p, q)
+                for p, q in zip(prompt_list, params, strict=True)
+            ],
+            use_tqdm,
+        )  # type: ignore[return-value]
 
     def score(
         self,
@@ -70,8 +78,9 @@ class LLM:
         params = pooling_params or PoolingParams()
         if truncate_prompt_tokens is not None:
             params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-        with _progress(len(texts_1) + len(texts_2), use_tqdm) as bar:
-            return self.llm_engine.score(texts_1, texts_2, params, bar.update)
+        score_pairs(len(texts_1), len(texts_2))  # a shape error before anything runs
+        embedded = self.embed([*texts_1, *texts_2], params, use_tqdm)
+        return score_outputs(embedded[: len(texts_1)], embedded[len(texts_1) :], "score")
 
     def _require_pooling(self, what: str) -> None:
         if self.runner_type != "pooling":
@@ -137,17 +146,23 @@ class LLM:
     ) -> list[RequestOutput]:
         self._require_generate()
         engine = self.llm_engine
+        adds = [functools.partial(engine.add_request, p, q) for p, q in zip(prompts, params, strict=True)]
+        return self._run_all(adds, use_tqdm)  # type: ignore[return-value]
+
+    def _run_all(self, adds: list[Callable[[], str]], use_tqdm: bool) -> list[AnyRequestOutput]:
+        """Enqueue every request (``adds``), run the engine until all finish; outputs in order."""
+        engine = self.llm_engine
         # The engine is idle between calls: buckets the last call reached compile now.
         engine.engine_core.compile_pending()
         # Validate every prompt before enqueuing any, so a bad one changes nothing.
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(engine.add_request(prompt, p))
+            for add in adds:
+                ids.append(add())
         except ValueError:
             engine.abort_request(ids)
             raise
-        outputs: dict[str, RequestOutput] = {}
+        outputs: dict[str, AnyRequestOutput] = {}
         with _progress(len(ids), use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():

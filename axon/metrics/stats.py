@@ -51,6 +51,8 @@ class IterationStats:
         n = len(out.new_token_ids)
         if times.first_scheduled_time == 0.0 and out.first_scheduled_time:
             times.first_scheduled_time = out.first_scheduled_time
+        if out.pooled is not None:  # a pooling request: its prompt, computed once, is all it has
+            self.num_prompt_tokens += times.num_prompt_tokens
         if n == 0:
             return
         self.num_generation_tokens += n

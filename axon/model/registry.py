@@ -51,3 +51,8 @@ def is_pooling_model(model_class: type[nn.Module]) -> bool:
 def can_pool(model_class: type[nn.Module]) -> bool:
     """Whether the class runs with ``runner="pooling"``: an embedder, or a decoder with an adapter."""
     return is_pooling_model(model_class) or issubclass(model_class, LlamaForCausalLM)
+
+
+def is_encoder_only(model: type[nn.Module] | nn.Module) -> bool:
+    """Encoder-only attention (BERT): bidirectional over each whole prompt, no KV cache."""
+    return getattr(model, "attention_type", "decoder") == "encoder_only"

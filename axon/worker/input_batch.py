@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from axon.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
+from axon.pooling_params import EnginePoolingParams
 from axon.sampling_params import EngineSamplingParams, SamplingType
+from axon.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -20,11 +21,14 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: EngineSamplingParams
+    sampling_params: EngineSamplingParams | None
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    pooling_params: EnginePoolingParams | None = None
     token_ids: list[int] = field(init=False)  # prompt + output, kept in step
+    # A pooling request's hidden states [n, hidden] of the prompt segments computed so far.
+    hidden_parts: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
@@ -71,7 +75,7 @@ class RequestStates:
     def _make_state(self, new: NewRequestData) -> CachedRequestState:
         generator = self.preempted_generators.pop(new.req_id, None)
         params = new.sampling_params
-        if generator is None and params.sampling_type == SamplingType.RANDOM_SEED:
+        if generator is None and params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
             assert params.seed is not None
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return CachedRequestState(
@@ -82,6 +86,7 @@ class RequestStates:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
+            pooling_params=new.pooling_params,
         )
 
     def __getitem__(self, req_id: str) -> CachedRequestState:

@@ -4,6 +4,8 @@ One step's tokens are flattened across requests (see the layout in
 ``axon/model/layers/attention/backend.py``). ``prepare_inputs`` builds host-side inputs;
 ``run_forward`` is the single place a forward happens, which is where bucketed, compiled
 execution slots in; sampling then touches only the rows that complete a sequence's known tokens.
+A pooling request samples nothing: its rows' hidden states are kept until its prompt is
+computed, then pooled by the model's pooler (``axon/model/pooler.py``) into its vector.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 from axon.scheduler_output import BucketStep, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import AttentionMetadata
+from axon.model.pooler import finish_embedding, pool
 from axon.sample.grammar import GrammarBitmask
 from axon.sample.logprobs import compute_logprobs, to_lists
 from axon.sample.metadata import build_sampling_metadata
@@ -48,8 +51,10 @@ class ModelRunner:
         device: torch.device,
         buckets: Buckets | None = None,
         compiler: BucketCompiler | None = None,
+        pooling_type: str | None = None,
     ) -> None:
         self.model = model
+        self.pooling_type = pooling_type  # the model's pooler (runner="pooling" only)
         self.attention_layers = model.attention_layers()
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -74,7 +79,30 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             bucket=inputs.bucket,
+            pooler_output=self.pool(inputs, hidden),
         )
+
+    def pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """The finished vectors of the pooling requests whose prompt this step completed; the
+        hidden states of the others' segments are kept for the step that completes them."""
+        out: dict[str, list[float]] = {}
+        loc = inputs.attn_metadata.query_start_loc
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            params = state.pooling_params
+            if params is None:
+                continue
+            assert self.pooling_type is not None, "pooling requests need a pooling model"
+            # A copy: a compiled graph's output buffer is reused by the next step.
+            state.hidden_parts.append(hidden[loc[i] : loc[i + 1]].to(torch.float32, copy=True))
+            if inputs.attn_metadata.seq_lens[i] < state.num_tokens:
+                continue  # a prefill segment
+            states = torch.cat(state.hidden_parts)[None]  # [1, L, hidden]
+            mask = torch.ones(states.shape[:2], dtype=torch.int64, device=states.device)
+            vector = pool(states, mask, self.pooling_type)[0]
+            out[req_id] = finish_embedding(vector, params.dimensions, params.normalize).tolist()
+            state.hidden_parts = []
+        return out
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         req_ids = list(sched.num_scheduled_tokens)
@@ -97,7 +125,7 @@ class ModelRunner:
             slots += [state.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
-            if end == state.num_tokens:
+            if end == state.num_tokens and state.pooling_params is None:
                 sample_req_idx.append(i)
                 logits_indices.append(query_start_loc[-1] - 1)
         num_tokens = len(token_ids)
@@ -189,7 +217,7 @@ class ModelRunner:
         out: dict[str, LogprobsLists] = {}
         for i, req_id in enumerate(inputs.req_ids):
             state = self.requests[req_id]
-            k = state.sampling_params.prompt_logprobs
+            k = None if state.sampling_params is None else state.sampling_params.prompt_logprobs
             if k is None:
                 continue
             start = state.num_computed_tokens

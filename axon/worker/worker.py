@@ -14,6 +14,8 @@ from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutp
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
+from axon.model.pooler import model_pooler_config
+from axon.model.registry import is_encoder_only
 from axon.platforms import (
     huge_page_zeros,
     kv_budget_within_share,
@@ -120,7 +122,11 @@ class Worker:
         self.model_load_time_s = time.perf_counter() - t0
         hf = config.model_config.hf_config or {}
         self.buckets = Buckets.from_config(config)
-        self.compiler = None if config.compilation_config.enforce_eager else self._make_compiler()
+        # An encoder's attention keeps no KV and runs eagerly over each whole prompt.
+        self.encoder_only = is_encoder_only(self.model)
+        eager = config.compilation_config.enforce_eager or self.encoder_only
+        self.compiler = None if eager else self._make_compiler()
+        pooling = config.model_config.runner == "pooling"
         self.runner = ModelRunner(
             self.model,
             config.cache_config.block_size,
@@ -128,6 +134,7 @@ class Worker:
             self.device,
             buckets=self.buckets,
             compiler=self.compiler,
+            pooling_type=model_pooler_config(config.model_config).pooling_type if pooling else None,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -195,7 +202,14 @@ class Worker:
         )
 
     def determine_num_blocks(self) -> int:
-        """KV blocks this worker can hold (block 0, the null block, included)."""
+        """KV blocks this worker can hold (block 0, the null block, included). An encoder holds
+        none: its blocks only count the scheduler's admission (max_num_seqs full prompts)."""
+        if self.encoder_only:
+            c = self.config
+            assert c.model_config.max_model_len is not None
+            blocks_per_seq = -(-c.model_config.max_model_len // c.cache_config.block_size)
+            logger.info("KV cache: none (encoder-only attention)")
+            return c.scheduler_config.max_num_seqs * blocks_per_seq + 1
         total = total_memory_bytes(self.device)
         # On CUDA, what the whole device has in use: this engine's weights and other processes.
         used = total - torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
@@ -204,6 +218,8 @@ class Worker:
         return decision.num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.encoder_only:
+            return  # nothing is written or read
         arch = self.model.arch
         shape = (num_blocks, self.config.cache_config.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = []

@@ -114,8 +114,14 @@ def test_structured_outputs_params_round_trip(so: StructuredOutputsParams) -> No
     )
 )
 def test_pooling_params_round_trip(params: PoolingParams) -> None:
-    # Pooling runs in the server process today; the record is ready to cross as SamplingParams does.
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=PoolingParams) == params
+    # The engine's record crosses inside EngineCoreRequest, normalize resolved before encoding.
+    for default in (True, False):
+        engine_params = params.for_engine(default)
+        request = EngineCoreRequest("embd-1", [5, 6], None, None, 1.5e9, pooling_params=engine_params)
+        decoded = round_trip_request(request)
+        assert decoded == request and decoded.sampling_params is None
+        assert decoded.pooling_params.normalize == (default if params.normalize is None else params.normalize)
 
 
 logprobs_lists = st.integers(1, 3).flatmap(
@@ -141,6 +147,7 @@ core_outputs = st.builds(
             stop_reason=st.none() | token_ids | text,
             num_cached_tokens=st.integers(0, 10_000),
             first_scheduled_time=st.floats(0, 2e9),
+            pooled=st.none() | st.lists(finite, max_size=4),
         ),
         max_size=4,
     ),

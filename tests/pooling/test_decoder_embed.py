@@ -105,6 +105,28 @@ def test_pooler_config_mean_without_normalize(hf_model) -> None:
         assert np.allclose(out.outputs.embedding, expected, atol=1e-5), text
 
 
+def test_segmented_prompts_batched_with_others_equal_alone(hf_model) -> None:
+    """A decoder embedder runs like generation: prompts longer than the step budget are prefilled
+    over several steps through the paged KV cache, batched with the other requests' segments; the
+    runner pools every segment's hidden states (MEAN needs them all) into what one forward gives."""
+    from axon import LLM
+
+    folder, model, tokenizer = hf_model
+    llm = LLM(
+        model=folder,
+        runner="pooling",
+        dtype="float32",
+        max_num_batched_tokens=8,
+        pooler_config='{"pooling_type": "MEAN", "normalize": false}',
+    )
+    batched = llm.embed(TEXTS)
+    for text, out in zip(TEXTS, batched, strict=True):
+        expected = _hidden(model, tokenizer.encode(text)).mean(0).numpy()
+        assert np.allclose(out.outputs.embedding, expected, atol=1e-5), text
+        assert np.allclose(llm.embed(text)[0].outputs.embedding, out.outputs.embedding, atol=1e-5), text
+    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.usage == 0
+
+
 def test_instruction_is_prepended_to_text(hf_model, embedder) -> None:
     from axon import LLM
 

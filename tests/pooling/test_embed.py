@@ -233,19 +233,6 @@ def test_small_batches_equal_default(minilm_path: str, embed_llm) -> None:
         assert np.allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-5)
 
 
-def test_batches_respect_budgets() -> None:
-    from axon.worker.pooling_runner import PoolingRunner
-
-    runner = PoolingRunner.__new__(PoolingRunner)  # only the batching policy, no model
-    runner.max_num_seqs, runner.max_num_batched_tokens = 3, 20
-    lens = [1, 2, 2, 5, 5, 6, 7, 30, 31]
-    batches = runner._batches(lens)
-    assert [k for b in batches for k in b] == list(range(len(lens)))
-    for b in batches:
-        assert len(b) <= 3
-        assert len(b) == 1 or len(b) * max(lens[k] for k in b) <= 20
-
-
 @pytest.mark.parametrize(
     ("modules", "pooling", "expected"),
     [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -140,6 +141,46 @@ def test_32_concurrent_requests(embed_server: ServerProcess) -> None:
         singles = list(pool.map(one, texts))
     for single, d in zip(singles, batched.data, strict=True):
         assert np.allclose(single, d.embedding, atol=1e-5)
+
+
+def test_32_concurrent_clients_equal_one_at_a_time(embed_server: ServerProcess) -> None:
+    """Concurrent requests are batched together in the engine core: the vectors do not change."""
+    client = embed_server.client()
+    texts = SENTENCES[:32]
+
+    def one(text: str) -> list[float]:
+        return client.embeddings.create(model="minilm", input=text, encoding_format="float").data[0].embedding
+
+    sequential = [one(t) for t in texts]
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        concurrent = list(pool.map(one, texts))
+    for a, b in zip(sequential, concurrent, strict=True):
+        assert np.allclose(a, b, atol=1e-5)
+
+
+def test_disconnected_embedding_frees_its_slot(embed_server: ServerProcess) -> None:
+    """A client that gives up aborts its embeddings in the engine core: nothing stays running or
+    holds KV blocks, and the server keeps serving."""
+    long_texts = [" ".join(["word"] * 200) + f" {i}" for i in range(256)]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            embed_server.url + "/v1/embeddings",
+            json={"model": "minilm", "input": long_texts},
+            timeout=httpx.Timeout(0.2),
+        )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (
+            embed_server.metric("vllm:num_requests_running") == 0
+            and embed_server.metric("vllm:kv_cache_usage_perc") == 0.0
+            and embed_server.metric("vllm:num_requests_waiting") == 0
+        ):
+            break
+        time.sleep(0.2)
+    assert embed_server.metric("vllm:num_requests_running") == 0
+    assert embed_server.metric("vllm:num_requests_waiting") == 0
+    assert embed_server.metric("vllm:kv_cache_usage_perc") == 0.0
+    assert len(_embed(embed_server, ["still serving"])[0]) == 384
 
 
 def _embed(server: ServerProcess, texts: list[str]) -> np.ndarray:

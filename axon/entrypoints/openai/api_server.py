@@ -40,7 +40,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from axon.config import AxonConfig
 from axon.engine.async_llm import AsyncLLM
-from axon.engine.async_pooling import AsyncPoolingLLM
 from axon.entrypoints.openai import cli_args
 from axon.entrypoints.openai.errors import OpenAIError, from_exception, unavailable
 from axon.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
@@ -110,7 +109,7 @@ class ServerState:
         if not config.observability_config.disable_log_stats:
             self.stat_loggers.append(LoggingStatLogger())
         self.shutdown_event = asyncio.Event()
-        self.engine: AsyncLLM | AsyncPoolingLLM | None = None
+        self.engine: AsyncLLM | None = None
         self.servings: Servings | None = None
         self.server: uvicorn.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -136,10 +135,8 @@ class ServerState:
         self.tasks.append(asyncio.create_task(self._supervise(self.engine)))
         self.tasks.append(asyncio.create_task(self._log_stats()))
 
-    def _make_engine(self) -> AsyncLLM | AsyncPoolingLLM:
-        # An embedding model runs in this process; a generative one in an engine-core process.
-        if self.config.model_config.runner == "pooling":
-            return AsyncPoolingLLM(self.config, self.stat_loggers)
+    def _make_engine(self) -> AsyncLLM:
+        # Generative and embedding models alike run in the engine-core process.
         return AsyncLLM(
             self.config,
             self.stat_loggers,
@@ -147,7 +144,7 @@ class ServerState:
             heartbeat_timeout_s=self.args.engine_heartbeat_timeout,
         )
 
-    def _make_servings(self, engine: AsyncLLM | AsyncPoolingLLM) -> Servings:
+    def _make_servings(self, engine: AsyncLLM) -> Servings:
         m, s = self.config.model_config, self.config.scheduler_config
         assert m.max_model_len is not None and m.model_path is not None
         ctx = ServingContext(
@@ -174,7 +171,7 @@ class ServerState:
             ctx,
         )
 
-    async def _supervise(self, engine: AsyncLLM | AsyncPoolingLLM) -> None:
+    async def _supervise(self, engine: AsyncLLM) -> None:
         await engine.watch_process()
         logger.error(
             "the engine core is dead (%s); /health answers 503 and the server exits in %.0f s",
@@ -350,13 +347,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return await state.require_servings("generate").completion.create_completion(request, raw_request)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
-    async def embeddings(request: EmbeddingRequest) -> Response:
-        return _json(await state.require_servings("pooling").embedding.create_embedding(request))
+    async def embeddings(request: EmbeddingRequest, raw_request: Request) -> Response:
+        servings = state.require_servings("pooling")
+        return _json(await servings.embedding.create_embedding(request, raw_request))
 
     @app.post("/score", response_model=ScoreResponse, responses=_ERRORS)
     @app.post("/v1/score", response_model=ScoreResponse, responses=_ERRORS)
-    async def score(request: ScoreRequest) -> Response:
-        return _json(await state.require_servings("pooling").score.create_score(request))
+    async def score(request: ScoreRequest, raw_request: Request) -> Response:
+        return _json(await state.require_servings("pooling").score.create_score(request, raw_request))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest) -> Response:

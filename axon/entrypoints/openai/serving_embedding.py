@@ -1,13 +1,15 @@
-"""POST /v1/embeddings: OpenAI's request and response shapes, on an ``AsyncPoolingLLM``."""
+"""POST /v1/embeddings: OpenAI's request and response shapes. Inputs are tokenized here (off
+the loop); the engine-core process embeds them, batched with every other request."""
 
 from __future__ import annotations
 
 import base64
 
 import numpy as np
+from fastapi import Request
 
-from axon.engine.async_pooling import AsyncPoolingLLM
 from axon.engine.input_processor import PromptType
+from axon.engine.pooling_inputs import PoolingInput
 from axon.entrypoints.openai.errors import bad_request
 from axon.entrypoints.openai.protocol import (
     EmbeddingRequest,
@@ -20,19 +22,21 @@ from axon.pooling_params import PoolingParams
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
+    async def create_embedding(
+        self, request: EmbeddingRequest, raw_request: Request | None = None
+    ) -> EmbeddingResponse:
         self.check_model(request.model)
         self.check_accepting()
         engine = self.engine
-        assert isinstance(engine, AsyncPoolingLLM)
         prompts = _prompts(request.input)
         params = _pooling_params(request)
+        items: list[PoolingInput] = []
         try:  # every input is checked (tokenized, off the loop) before any runs
             for prompt in prompts:
-                await self.off_loop(engine.process, prompt, params)
+                items.append(await self.off_loop(engine.process_pooling, prompt, params))
         except ValueError as e:
             raise bad_request(str(e), param=_param_of(str(e))) from e
-        outputs = await engine.embed(prompts, [params] * len(prompts))
+        outputs = await self.embed_all(items, raw_request)
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         data = [
             EmbeddingResponseData(index=i, embedding=_encode(o.outputs.embedding, request.encoding_format))

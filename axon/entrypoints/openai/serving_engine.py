@@ -27,7 +27,8 @@ from axon.entrypoints.openai.errors import bad_request, model_not_found, unavail
 from axon.entrypoints.openai.protocol import ChatMessage, SamplingFields, UsageInfo
 from axon.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from axon.entrypoints.openai.tool_choice import tool_message_fields
-from axon.outputs import CompletionOutput, Logprob, RequestOutput
+from axon.engine.pooling_inputs import PoolingInput
+from axon.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from axon.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("axon.entrypoints.openai")
@@ -325,6 +326,24 @@ class OpenAIServing:
             for i, ids in enumerate(prompts)
         ]
         return OutputStream(generators, self.ctx.shutdown_event, raw_request)
+
+    async def embed_all(
+        self, items: list[PoolingInput], raw_request: Request | None
+    ) -> list[EmbeddingRequestOutput]:
+        """Every item embedded in the engine core, concurrently (batched there with everything
+        else); a disconnect, a shutdown or one failure aborts them all."""
+        outputs: list[Any] = [None] * len(items)
+        stream = OutputStream(
+            [_once(self.engine.encode(item)) for item in items], self.ctx.shutdown_event, raw_request
+        )
+        async for index, output in stream:
+            outputs[index] = output
+        return outputs
+
+
+async def _once(result: Any) -> AsyncIterator[Any]:
+    """An awaitable as a one-item async generator (``OutputStream`` runs generators)."""
+    yield await result
 
 
 _DONE = object()

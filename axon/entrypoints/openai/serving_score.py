@@ -1,12 +1,14 @@
-"""POST /score and /v1/score: vLLM's scoring API on a bi-encoder (an ``AsyncPoolingLLM``).
+"""POST /score and /v1/score: vLLM's scoring API on a bi-encoder.
 
-A pair's score is the cosine similarity of its two embeddings (``PoolingEngine.score``).
+A pair's score is the cosine similarity of its two embeddings (``score_outputs``), embedded by
+the engine core as /v1/embeddings does.
 """
 
 from __future__ import annotations
 
-from axon.engine.async_pooling import AsyncPoolingLLM
-from axon.engine.pooling_engine import score_pairs
+from fastapi import Request
+
+from axon.engine.pooling_inputs import PoolingInput, score_outputs, score_pairs
 from axon.entrypoints.openai.errors import bad_request
 from axon.entrypoints.openai.protocol import ScoreRequest, ScoreResponse, ScoreResponseData, UsageInfo
 from axon.entrypoints.openai.serving_engine import OpenAIServing
@@ -14,24 +16,26 @@ from axon.pooling_params import PoolingParams
 
 
 class OpenAIServingScore(OpenAIServing):
-    async def create_score(self, request: ScoreRequest) -> ScoreResponse:
+    async def create_score(self, request: ScoreRequest, raw_request: Request | None = None) -> ScoreResponse:
         self.check_model(request.model)
         self.check_accepting()
         engine = self.engine
-        assert isinstance(engine, AsyncPoolingLLM)
         params = _pooling_params(request)
         texts = {"text_1": _texts(request.text_1, "text_1"), "text_2": _texts(request.text_2, "text_2")}
+        items: dict[str, list[PoolingInput]] = {"text_1": [], "text_2": []}
         for name, side in texts.items():  # every text is checked before any runs
             for text in side:
                 try:  # tokenized off the loop
-                    await self.off_loop(engine.process, text, params)
+                    items[name].append(await self.off_loop(engine.process_pooling, text, params))
                 except ValueError as e:
                     raise bad_request(f"{name}: {e}", param=name) from e
         try:
             score_pairs(len(texts["text_1"]), len(texts["text_2"]))
         except ValueError as e:
             raise bad_request(str(e), param="text_2") from e
-        outputs = await engine.score(texts["text_1"], texts["text_2"], params)  # type: ignore[arg-type]
+        embedded = await self.embed_all(items["text_1"] + items["text_2"], raw_request)
+        num_1 = len(items["text_1"])
+        outputs = score_outputs(embedded[:num_1], embedded[num_1:], "score")
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         return ScoreResponse(
             model=self.model_name,

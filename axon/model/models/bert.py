@@ -1,8 +1,9 @@
 """BERT encoders (all-MiniLM-L6-v2 and other sentence-transformers BERT models).
 
-A bidirectional encoder needs no KV cache: one forward over a padded batch with an attention
-mask gives every token's hidden state, which a pooler (``axon/model/pooler.py``) reduces to one
-vector per sequence. Parameter names equal Hugging Face's ``BertModel``, so checkpoints load by
+A bidirectional encoder needs no KV cache: one forward over the step's flat layout of whole
+prompts (encoder-only attention, ``axon/model/layers/attention/encoder.py``) gives every token's
+hidden state, which the runner's pooler (``axon/model/pooler.py``) reduces to one vector per
+sequence. Everything but attention runs on the [T, hidden] tokens alone: no padding. Parameter names equal Hugging Face's ``BertModel``, so checkpoints load by
 name (a ``bert.`` prefix, as in ``BertForMaskedLM`` checkpoints, is stripped).
 """
 
@@ -16,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axon.forward_context import get_forward_context
+from axon.model.layers.attention.encoder import encoder_attention
 from axon.model.models.weights import load_by_name
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
@@ -66,9 +69,8 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(arch.type_vocab_size, arch.hidden_size)
         self.LayerNorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # input_ids [B, L] -> [B, L, hidden]; every token has type 0 (single-segment input).
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions [T] -> [T, hidden]; every token has type 0 (single-segment input).
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         x = x + self.token_type_embeddings.weight[0]
         return self.LayerNorm(x)
@@ -83,17 +85,15 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(h, h)
         self.value = nn.Linear(h, h)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # x [B, L, hidden], mask [B, 1, 1, L] (True: attend) -> [B, L, hidden]
-        b, t, _ = x.shape
+    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+        # x [T, hidden] -> [T, hidden]
+        t = x.shape[0]
 
         def heads(proj: nn.Linear) -> torch.Tensor:
-            return proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, L, D]
+            return proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
 
-        out = F.scaled_dot_product_attention(
-            heads(self.query), heads(self.key), heads(self.value), attn_mask=mask
-        )
-        return out.transpose(1, 2).reshape(b, t, -1)
+        out = encoder_attention(heads(self.query), heads(self.key), heads(self.value), query_start_loc)
+        return out.reshape(t, -1)
 
 
 class BertAttention(nn.Module):
@@ -102,8 +102,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(arch)
         self.output = _DenseNorm(arch.hidden_size, arch.hidden_size, arch.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.output(self.self(x, mask), x)
+    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+        return self.output(self.self(x, query_start_loc), x)
 
 
 class _DenseNorm(nn.Module):
@@ -135,8 +135,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(arch)
         self.output = _DenseNorm(arch.intermediate_size, arch.hidden_size, arch.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = self.attention(x, mask)
+    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+        x = self.attention(x, query_start_loc)
         return self.output(self.intermediate(x), x)
 
 
@@ -147,13 +147,12 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    """forward(input_ids [B, L], attention_mask [B, L]) -> last hidden states [B, L, hidden].
-
-    ``attention_mask`` is 1 for real tokens and 0 for padding; padded positions never reach a real
-    token's state, so a sequence's output does not depend on what it is batched with.
-    """
+    """forward(input_ids [T], positions [T]) -> last hidden states [T, hidden], over the step's
+    whole prompts (``query_start_loc`` of the forward context); a token attends only within its
+    own sequence, so its output does not depend on what it is batched with."""
 
     is_pooling_model = True
+    attention_type = "encoder_only"
 
     def __init__(self, hf_config: dict[str, Any], backend: Any = None) -> None:
         super().__init__()
@@ -162,12 +161,15 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(self.arch)
         self.encoder = BertEncoder(self.arch)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(input_ids)
-        mask = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, L]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        query_start_loc = get_forward_context().attn_metadata.query_start_loc
+        x = self.embeddings(input_ids, positions)
         for layer in self.encoder.layer:
-            x = layer(x, mask)
+            x = layer(x, query_start_loc)
         return x
+
+    def attention_layers(self) -> list[nn.Module]:
+        return []  # no paged attention layer: nothing binds a KV cache
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors by name; every parameter must be covered exactly once."""
