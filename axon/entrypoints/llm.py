@@ -51,14 +51,9 @@ class LLM:
         params = _params_per_prompt(pooling_params, len(prompt_list), PoolingParams, "PoolingParams")
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
-        engine = self.llm_engine
-        return self._run_all(
-            [
-                functools.partial(engine.add_pooling_request, p, q)
-                for p, q in zip(prompt_list, params, strict=True)
-            ],
-            use_tqdm,
-        )  # type: ignore[return-value]
+        add = self.llm_engine.add_pooling_request
+        adds = [functools.partial(add, p, q) for p, q in zip(prompt_list, params, strict=True)]
+        return self._run_all(adds, use_tqdm)  # type: ignore[return-value]
 
     def score(
         self,
