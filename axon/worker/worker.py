@@ -100,6 +100,9 @@ class Worker:
         t0 = time.perf_counter()
         cache_root = config.model_config.cache_root
         assert cache_root is not None, "resolve_config() sets cache_root"
+        # vLLM's --seed: requests that give no seed draw from this process's generator, so the
+        # same engine seed and the same traffic give the same samples.
+        torch.manual_seed(config.model_config.seed)
         d = config.device_config
         cpu_kernels, self.thread_cpus = init_cpu_process(
             self.device, cache_root, d.num_threads, d.omp_threads_bind

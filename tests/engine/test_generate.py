@@ -204,3 +204,19 @@ def test_chat_uses_the_template(llm: LLM) -> None:
     assert outs[0].prompt_token_ids == expected_ids
     assert "Rome" in outs[0].outputs[0].text
     assert outs[0].outputs[0].text == outs[1].outputs[0].text
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model_dir) -> None:
+    """vLLM's --seed: two engines started with the same seed give the same samples to requests
+    that give none; another seed gives others."""
+    path = tiny_model_dir("llama")
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [5, 6, 7]}]
+
+    def sample(seed: int) -> list[list[int]]:
+        llm = LLM(model=path, seed=seed, dtype="float32", max_model_len=64, enforce_eager=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first

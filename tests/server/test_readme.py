@@ -13,6 +13,7 @@ import io
 import json
 import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,15 @@ def run_python(code: str, namespace: dict[str, Any]) -> tuple[list[Any], str]:
             else:
                 exec(compile(ast.Module([stmt], []), "README.md", "exec"), namespace)  # noqa: S102 (the README's own code)
     return values, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    """A fresh server with the engine's default seed: the examples sample without a seed of
+    their own, so the same server start and the same requests give the same answers."""
+    proc = ServerProcess("--max-model-len", "1024").wait_ready()
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
