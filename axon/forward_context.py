@@ -1,10 +1,12 @@
 """The one channel from the model runner to the attention layers.
 
-The runner sets the step's attention metadata with ``set_forward_context`` around a forward;
-layers read it with ``get_forward_context()``. It is reset in ``finally``, so a failed step
-never leaks metadata into the next one, and model ``forward(input_ids, positions)`` stays clean.
-It is per thread: a bucket compiling in the background runs its own (empty) forward beside
-the serving one.
+The runner describes its step (``CommonAttentionMetadata``) and runs a forward inside
+``set_forward_context``, which has the layers' backend build its metadata for the step, once,
+and hands it to the layers: they read it with ``get_forward_context()`` and find one another
+by index (``attention_layers[layer_idx]``). It is reset in ``finally``, so a failed step never
+leaks metadata into the next one, and model ``forward(input_ids, positions)`` stays clean. It is
+per thread: a bucket compiling in the background runs its own (empty) forward beside the
+serving one.
 """
 
 from __future__ import annotations
@@ -20,37 +22,23 @@ _local = threading.local()
 
 @dataclass
 class ForwardContext:
-    attn_metadata: Any  # the backend's metadata record for this step
-    # The model's attention layers in call order: inside a compiled graph the attention op
-    # cannot name its layer (a per-layer constant would make every layer its own graph), so
-    # each call takes the next one.
-    attention_layers: Sequence[Any] = ()
-    num_attention_calls: int = 0
-
-    def next_attention_layer(self) -> Any:
-        assert self.num_attention_calls < len(self.attention_layers), (
-            f"attention op called {self.num_attention_calls + 1} times in one forward, "
-            f"but the model has {len(self.attention_layers)} attention layers"
-        )
-        layer = self.attention_layers[self.num_attention_calls]
-        self.num_attention_calls += 1
-        return layer
+    attn_metadata: Any  # the backend's record of this step (``build_metadata``)
+    attention_layers: Sequence[Any] = ()  # the model's attention layers, by layer index
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any, attention_layers: Sequence[Any] = ()) -> Iterator[None]:
-    """Also hands the step to the layers' backend when it keeps one of its own (``begin_step``,
-    ``end_step``: the C++ kernels read their step in C++)."""
-    prev = getattr(_local, "context", None)
-    _local.context = ForwardContext(attn_metadata, attention_layers)
+def set_forward_context(common: Any, attention_layers: Sequence[Any] = ()) -> Iterator[Any]:
+    """Run a forward over the step ``common`` describes; yields the backend's metadata."""
     backend = attention_layers[0].backend if attention_layers else None
-    begin_step = getattr(backend, "begin_step", None)
+    metadata = common if backend is None else backend.build_metadata(common)
+    prev = getattr(_local, "context", None)
+    _local.context = ForwardContext(metadata, attention_layers)
     try:
-        if begin_step is not None:
-            begin_step(attn_metadata, attention_layers)
-        yield
+        if backend is not None:
+            backend.begin_step(metadata, attention_layers)
+        yield metadata
     finally:
-        if begin_step is not None:
+        if backend is not None:
             backend.end_step()
         _local.context = prev
 

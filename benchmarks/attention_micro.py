@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from axon.model.layers.attention.backend import AttentionMetadata
+from axon.model.layers.attention.backend import AttentionSpec, CommonAttentionMetadata
 from axon.model.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from axon.model.layers.attention.reference import ReferenceAttentionBackend
 from benchmarks.common import markdown_table
@@ -41,7 +41,7 @@ def workloads(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
 
 def make_inputs(
     reqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = [-(-seq_len // BLOCK_SIZE) for seq_len, _ in reqs]
     num_blocks = sum(blocks_per_req) + 1
@@ -58,7 +58,7 @@ def make_inputs(
         query_start_loc.append(query_start_loc[-1] + q_len)
     num_tokens = query_start_loc[-1]
     q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen).bfloat16()
-    metadata = AttentionMetadata(
+    metadata = CommonAttentionMetadata(
         num_actual_tokens=num_tokens,
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
         query_start_loc=query_start_loc,
@@ -83,15 +83,22 @@ def median_us_each(fns: Sequence[Callable[[], object]], reps: int) -> list[float
 
 
 def time_case(reqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, reps: int) -> list[float]:
-    """[reference, cpu_paged with its plan reused, cpu_paged building its plan] microseconds."""
-    q, k_cache, v_cache, metadata = make_inputs(reqs, num_heads, num_kv_heads, seed=0)
-    scale = HEAD_DIM**-0.5
+    """[reference, cpu_paged with its plan reused (a layer), cpu_paged building its plan (the
+    step's first layer)] microseconds."""
+    q, k_cache, v_cache, common = make_inputs(reqs, num_heads, num_kv_heads, seed=0)
+    spec = AttentionSpec(num_heads, num_kv_heads, HEAD_DIM, HEAD_DIM**-0.5)
     reference, fast = ReferenceAttentionBackend(), CpuPagedAttentionBackend()
+    planned = fast.build_metadata(common)
+
+    def first_layer() -> torch.Tensor:
+        backend = CpuPagedAttentionBackend()
+        return backend.forward(q, k_cache, v_cache, backend.build_metadata(common), spec)
+
     return median_us_each(
         [
-            lambda: reference.forward(q, k_cache, v_cache, metadata, scale),
-            lambda: fast.forward(q, k_cache, v_cache, metadata, scale),
-            lambda: CpuPagedAttentionBackend().forward(q, k_cache, v_cache, metadata, scale),
+            lambda: reference.forward(q, k_cache, v_cache, common, spec),
+            lambda: fast.forward(q, k_cache, v_cache, planned, spec),
+            first_layer,
         ],
         reps,
     )

@@ -50,6 +50,7 @@ LAYERS: tuple[str, ...] = (
 )
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(AXON.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

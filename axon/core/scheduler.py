@@ -35,7 +35,6 @@ from collections.abc import Iterable
 from axon.config import CacheConfig, SchedulerConfig
 from axon.core.kv_cache_manager import KVCacheManager
 from axon.core.kv_cache_utils import max_concurrency
-from axon.step_outputs import EngineCoreOutput, SchedulerStats
 from axon.core.request import Request, RequestStatus
 from axon.scheduler_output import (
     CachedRequestData,
@@ -45,6 +44,7 @@ from axon.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from axon.step_outputs import EngineCoreOutput, SchedulerStats
 from axon.structured_output.manager import StructuredOutputManager, Verdict
 
 

@@ -31,7 +31,6 @@ import zmq
 import zmq.asyncio
 
 from axon.config import AxonConfig
-from axon.step_outputs import SchedulerStats
 from axon.engine.core_proc import (
     ABORT,
     ADD,
@@ -53,6 +52,7 @@ from axon.metrics.stats import IterationStats, RequestTimes, StatLogger
 from axon.outputs import EmbeddingRequestOutput, RequestOutput
 from axon.pooling_params import PoolingParams
 from axon.sampling_params import RequestOutputKind, SamplingParams
+from axon.step_outputs import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

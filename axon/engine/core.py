@@ -23,11 +23,11 @@ from axon.config import AxonConfig
 from axon.core.kv_cache_utils import cdiv, make_block_hasher
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
-from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from axon.engine.tokenizer import get_tokenizer
 from axon.executor.abstract import Executor
 from axon.model.registry import is_encoder_only, resolve_model_class
+from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from axon.step_outputs import EngineCoreOutput
-from axon.scheduler_output import LogprobsLists
 from axon.engine.detokenizer import IncrementalDetokenizer
 from axon.outputs import (
     CompletionOutput,
@@ -24,6 +22,8 @@ from axon.outputs import (
     SampleLogprobs,
 )
 from axon.sampling_params import RequestOutputKind, SamplingParams
+from axon.scheduler_output import LogprobsLists
+from axon.step_outputs import EngineCoreOutput
 
 
 @dataclass

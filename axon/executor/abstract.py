@@ -19,8 +19,8 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
 from axon.config import EXECUTOR_BACKENDS, AxonConfig
-from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.platforms import resolve_device
+from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 
 # distributed_executor_backend -> the executor class, imported only when chosen (a Ray executor
 # must not import ray for everyone). Keys: config.EXECUTOR_BACKENDS, which validate_config checks.

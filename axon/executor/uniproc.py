@@ -13,8 +13,8 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from axon.config import AxonConfig
-from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.executor.abstract import Executor, resolve_async_scheduling
+from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

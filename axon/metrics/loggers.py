@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from axon.step_outputs import SchedulerStats
 from axon.metrics.stats import IterationStats
+from axon.step_outputs import SchedulerStats
 
 logger = logging.getLogger("axon.metrics")
 

@@ -18,9 +18,9 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
 
-from axon.step_outputs import SchedulerStats
 from axon.metrics.execution import ExecutionMetrics
 from axon.metrics.stats import FinishedRequestStats, IterationStats
+from axon.step_outputs import SchedulerStats
 
 # The Content-Type of ``render_metrics``'s body, for ``GET /metrics``.
 CONTENT_TYPE_LATEST = prometheus_client.CONTENT_TYPE_LATEST

@@ -129,9 +129,7 @@ def _build(compiler: str, folder: str, path: str) -> None:
         link = [compiler, *objs, "-o", tmp, *_link_flags()]
         try:
             with startup_phase("building axon's CPU kernels (once per machine and version)"):
-                procs = [
-                    (cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)) for cmd in compiles
-                ]
+                procs = [(cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)) for cmd in compiles]
                 for cmd, proc in procs:
                     _, stderr = proc.communicate()
                     _check(cmd, proc.returncode, stderr)
@@ -177,13 +175,13 @@ def _register_fakes() -> None:
     """Shapes of the ops' outputs, for tracing them into compiled graphs."""
 
     @torch.library.register_fake("axon_cpu::packed_linear")
-    def _(x, packed, N, bias, float_out):  # noqa: ANN001, ANN202 (the op's schema types them)
+    def _(x, packed, N, bias, float_out):
         return x.new_empty(*x.shape[:-1], N, dtype=torch.float32 if float_out else x.dtype)
 
     @torch.library.register_fake("axon_cpu::attention")
-    def _(q, k, v, layer, scale):  # noqa: ANN001, ANN202
+    def _(q, k, v, layer, scale):
         return torch.empty_like(q)
 
     @torch.library.register_fake("axon_cpu::paged_attention")
-    def _(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale):  # noqa: ANN001, ANN202
+    def _(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale):
         return torch.empty_like(q)

@@ -25,7 +25,9 @@ def parse_cpu_list(text: str) -> list[int]:
         try:
             first, last = int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError(f"omp_threads_bind: {part!r} is not a CPU number or range (e.g. 0-3,8)") from None
+            raise ValueError(
+                f"omp_threads_bind: {part!r} is not a CPU number or range (e.g. 0-3,8)"
+            ) from None
         if first < 0 or last < first:
             raise ValueError(f"omp_threads_bind: {part!r} is not an ascending range of CPU numbers")
         cpus += range(first, last + 1)
@@ -62,14 +64,18 @@ def thread_cpus(bind: str | None, num_threads: int | None) -> list[int] | None:
         if num_threads is None:
             return cores
         if num_threads > len(allowed):
-            raise ValueError(f"num_threads={num_threads} is more than the {len(allowed)} CPUs this process may use")
+            raise ValueError(
+                f"num_threads={num_threads} is more than the {len(allowed)} CPUs this process may use"
+            )
         return (cores + [c for c in allowed if c not in cores])[:num_threads]
     cpus = parse_cpu_list(bind)
     outside = [c for c in cpus if c not in allowed]
     if outside:
         raise ValueError(f"omp_threads_bind: CPU {outside[0]} is not one this process may use ({allowed})")
     if num_threads is not None and num_threads != len(cpus):
-        raise ValueError(f"num_threads={num_threads} does not match the {len(cpus)} CPUs of omp_threads_bind={bind!r}")
+        raise ValueError(
+            f"num_threads={num_threads} does not match the {len(cpus)} CPUs of omp_threads_bind={bind!r}"
+        )
     return cpus
 
 

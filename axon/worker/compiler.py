@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from axon.config import BUCKET_COMPILE_POLICIES
-from axon.scheduler_output import CompileEvent
 from axon.forward_context import set_forward_context
-from axon.model.layers.attention import AttentionMetadata
+from axon.model.layers.attention import describe_step
+from axon.scheduler_output import CompileEvent
 
 logger = logging.getLogger(__name__)
 
@@ -175,14 +175,7 @@ class BucketCompiler:
     def _run_empty(self, num_tokens: int) -> None:
         """A forward with no request: every row is padding, so nothing is written or read."""
         dev = self.device
-        metadata = AttentionMetadata(
-            num_actual_tokens=0,
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-            query_start_loc=[0],
-            seq_lens=[],
-            block_table=torch.zeros(0, 1, dtype=torch.int64, device=dev),
-            block_size=self.block_size,
-        )
+        metadata = describe_step([], self.block_size, dev, num_tokens=num_tokens)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         with set_forward_context(metadata, self.attention_layers):
             self._compiled(ids, ids.clone())

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from axon.forward_context import set_forward_context
-from axon.model.layers.attention import AttentionMetadata
+from axon.model.layers.attention import Segment, describe_step
 
 
 @torch.inference_mode()
@@ -36,18 +36,13 @@ def teacher_forced_logits(
         )
     # Blocks 1..n in reverse order, so that a wrong block-table lookup cannot pass by accident.
     block_ids = list(range(num_blocks - 1, 0, -1))
-    block_table = torch.tensor([block_ids], dtype=torch.int64, device=param.device)
     step = segment or len(token_ids)
     out = []
     try:
         for start in range(0, len(token_ids), step):
             end = min(start + step, len(token_ids))
             positions = torch.arange(start, end, device=param.device)
-            slots = torch.tensor(
-                [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)],
-                device=param.device,
-            )
-            metadata = AttentionMetadata(end - start, slots, [0, end - start], [end], block_table, block_size)
+            metadata = describe_step([Segment(block_ids, start, end)], block_size, param.device)
             ids = torch.tensor(token_ids[start:end], device=param.device)
             with set_forward_context(metadata, layers):
                 hidden = model(ids, positions)

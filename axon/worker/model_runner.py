@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from axon.scheduler_output import BucketStep, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from axon.forward_context import set_forward_context
-from axon.model.layers.attention import AttentionMetadata
+from axon.model.layers.attention import CommonAttentionMetadata, Segment, describe_step
 from axon.model.pooler import finish_embedding, pool
 from axon.sample.grammar import GrammarBitmask
 from axon.sample.logprobs import compute_logprobs, to_lists
 from axon.sample.metadata import build_sampling_metadata
 from axon.sample.sampler import Sampler
+from axon.scheduler_output import BucketStep, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from axon.worker.buckets import Buckets, bucket_name
 from axon.worker.compiler import BucketCompiler
 from axon.worker.input_batch import CachedRequestState, RequestStates
@@ -34,7 +34,7 @@ class StepInputs:
     req_ids: list[str]
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    attn_metadata: AttentionMetadata
+    attn_metadata: CommonAttentionMetadata  # the step's description; the backend builds its own
     # Rows whose last scheduled token is the sequence's last known token: they sample.
     sample_req_idx: list[int]
     logits_indices: torch.Tensor  # [num_sampled] token index of each sampling row's last token
@@ -108,30 +108,23 @@ class ModelRunner:
         req_ids = list(sched.num_scheduled_tokens)
         token_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
+        segments: list[Segment] = []
         sample_req_idx: list[int] = []
         logits_indices: list[int] = []
-        bs = self.block_size
         for i, req_id in enumerate(req_ids):
             state = self.requests[req_id]
-            n = sched.num_scheduled_tokens[req_id]
             start = state.num_computed_tokens
-            end = start + n
+            end = start + sched.num_scheduled_tokens[req_id]
             assert end <= state.num_tokens, f"{req_id}: scheduled past its known tokens"
             token_ids += state.token_ids[start:end]
             positions += range(start, end)
-            slots += [state.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(end)
+            segments.append(Segment(state.block_ids, start, end))
             if end == state.num_tokens and state.pooling_params is None:
                 sample_req_idx.append(i)
-                logits_indices.append(query_start_loc[-1] - 1)
+                logits_indices.append(len(token_ids) - 1)
         num_tokens = len(token_ids)
         is_decode = num_tokens == len(req_ids)
-        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
-        graph, padded = None, num_tokens
+        graph, padded, block_cols = None, num_tokens, None
         if self.buckets is not None and self.compiler is not None:
             target = self.buckets.pad_tokens(num_tokens, is_decode)
             graph = self.compiler.graph_for(target)
@@ -141,21 +134,9 @@ class ModelRunner:
                 padded = target
                 token_ids += [0] * (padded - num_tokens)
                 positions += [0] * (padded - num_tokens)
-                slots += [-1] * (padded - num_tokens)
-                max_blocks = self.buckets.pad_context_blocks(max_blocks)
-        block_table = torch.zeros(len(req_ids), max_blocks, dtype=torch.int64)
-        for i, req_id in enumerate(req_ids):
-            ids = self.requests[req_id].block_ids
-            block_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+                block_cols = self.buckets.pad_context_blocks(max(len(s.block_ids) for s in segments))
         dev = self.device
-        metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=block_table.to(dev),
-            block_size=bs,
-        )
+        metadata = describe_step(segments, self.block_size, dev, num_tokens=padded, num_block_cols=block_cols)
         return StepInputs(
             req_ids=req_ids,
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from axon.config import AxonConfig
-from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
@@ -25,6 +24,7 @@ from axon.platforms import (
 )
 from axon.platforms.cpu_kernels import cpu_kernels_loaded
 from axon.platforms.cpu_threads import configure_cpu_threads, init_cpu_process
+from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.startup import startup_phase
 from axon.version import __version__
 from axon.worker.buckets import Buckets
@@ -125,10 +125,9 @@ class Worker:
         self.model_load_time_s = time.perf_counter() - t0
         hf = config.model_config.hf_config or {}
         self.buckets = Buckets.from_config(config)
-        # An encoder's attention keeps no KV and runs eagerly over each whole prompt.
+        # An encoder's attention keeps no KV: it attends over each whole prompt of the step.
         self.encoder_only = is_encoder_only(self.model)
-        eager = config.compilation_config.enforce_eager or self.encoder_only
-        self.compiler = None if eager else self._make_compiler()
+        self.compiler = None if config.compilation_config.enforce_eager else self._make_compiler()
         pooling = config.model_config.runner == "pooling"
         self.runner = ModelRunner(
             self.model,
@@ -221,8 +220,10 @@ class Worker:
         return decision.num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        if self.encoder_only:
-            return  # nothing is written or read
+        if self.encoder_only:  # nothing is written or read: the layers only learn their index
+            for i, layer in enumerate(self.model.attention_layers()):
+                layer.bind_kv_cache(i, None)
+            return
         arch = self.model.arch
         shape = (num_blocks, self.config.cache_config.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = []

@@ -19,11 +19,11 @@ import pytest
 
 from axon.config import CacheConfig, SchedulerConfig
 from axon.core.kv_cache_utils import make_block_hasher
-from axon.step_outputs import EngineCoreOutput
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
-from axon.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from axon.sampling_params import SamplingParams
+from axon.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from axon.step_outputs import EngineCoreOutput
 
 EOS = 2
 VOCAB = 100_000

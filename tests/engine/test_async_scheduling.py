@@ -48,8 +48,15 @@ def test_async_equals_sync(tiny_model_dir, preempt: bool) -> None:
     # preempting pool holds ~2 sequences with optimistic admission, so running requests are
     # preempted while their token is in flight.
     kv = dict(num_gpu_blocks_override=12, admission_kv_limit=False) if preempt else {}
-    common = dict(model=folder, dtype="float32", max_model_len=128, max_num_seqs=6, block_size=16,
-                  max_num_batched_tokens=48, **kv)
+    common = dict(
+        model=folder,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=6,
+        block_size=16,
+        max_num_batched_tokens=48,
+        **kv,
+    )
     prompts, params = _workload(seed=1 + preempt)
     sync = LLM(async_scheduling=False, **common)
     want = _run(sync, prompts, params)

@@ -11,13 +11,12 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axon.step_outputs import EngineCoreOutput, SchedulerStats
-from axon.scheduler_output import BucketStep, CompileEvent, LogprobsLists
 from axon.engine.core_proc import ADD, OUTPUTS, decode_outputs, decode_request, encode
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from axon.pooling_params import PoolingParams
-from axon.sampling_params import INT64_MAX, INT64_MIN, UINT64_MAX, SamplingParams
-from axon.sampling_params import StructuredOutputsParams
+from axon.sampling_params import INT64_MAX, INT64_MIN, UINT64_MAX, SamplingParams, StructuredOutputsParams
+from axon.scheduler_output import BucketStep, CompileEvent, LogprobsLists
+from axon.step_outputs import EngineCoreOutput, SchedulerStats
 
 VOCAB, EOS = 49152, 2
 

@@ -7,7 +7,6 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from axon.step_outputs import EngineCoreOutput, SchedulerStats
 from axon.metrics.loggers import LoggingStatLogger
 from axon.metrics.prometheus import (
     ITL_BUCKETS_S,
@@ -18,6 +17,7 @@ from axon.metrics.prometheus import (
     render_metrics,
 )
 from axon.metrics.stats import IterationStats, RequestTimes
+from axon.step_outputs import EngineCoreOutput, SchedulerStats
 
 MODEL = "test-model"
 LABELS = {"model_name": MODEL, "engine": "0"}

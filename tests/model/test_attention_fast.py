@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from axon.model.layers.attention import get_attention_backend
-from axon.model.layers.attention.backend import AttentionMetadata
+from axon.model.layers.attention import AttentionBackend
+from axon.model.layers.attention.backend import AttentionSpec, CommonAttentionMetadata
 from axon.model.layers.attention.cpu_flash import CpuFlashAttentionBackend
 from axon.model.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from axon.model.layers.attention.reference import ReferenceAttentionBackend
@@ -31,8 +31,8 @@ class Case:
     q: torch.Tensor  # [num_tokens, H, D], rows past num_actual_tokens are padding
     k_cache: torch.Tensor  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor
-    metadata: AttentionMetadata
-    scale: float
+    metadata: CommonAttentionMetadata
+    spec: AttentionSpec
 
 
 def make_case(
@@ -64,7 +64,7 @@ def make_case(
         query_start_loc.append(query_start_loc[-1] + q_len)
     num_tokens = query_start_loc[-1]
     q = torch.randn(num_tokens + pad_rows, num_kv_heads * gqa_ratio, head_dim, generator=gen).to(dtype)
-    metadata = AttentionMetadata(
+    metadata = CommonAttentionMetadata(
         num_actual_tokens=num_tokens,
         slot_mapping=torch.full((num_tokens + pad_rows,), -1, dtype=torch.int64),
         query_start_loc=query_start_loc,
@@ -72,7 +72,8 @@ def make_case(
         block_table=table,
         block_size=block_size,
     )
-    return Case(q, k_cache, v_cache, metadata, head_dim**-0.5)
+    spec = AttentionSpec(q.shape[1], num_kv_heads, head_dim, head_dim**-0.5)
+    return Case(q, k_cache, v_cache, metadata, spec)
 
 
 def random_reqs(rng: random.Random, num_reqs: int, max_len: int) -> list[tuple[int, int]]:
@@ -91,8 +92,10 @@ def random_reqs(rng: random.Random, num_reqs: int, max_len: int) -> list[tuple[i
     return reqs
 
 
-def run(backend: object, case: Case) -> torch.Tensor:
-    return backend.forward(case.q, case.k_cache, case.v_cache, case.metadata, case.scale)
+def run(backend: AttentionBackend, case: Case) -> torch.Tensor:
+    """One step of one layer: the backend builds its metadata, then attends."""
+    metadata = backend.build_metadata(case.metadata)
+    return backend.forward(case.q, case.k_cache, case.v_cache, metadata, case.spec)
 
 
 @pytest.fixture(params=["cpu_paged", "cpu_flash", "cpu_flash_generic"])
@@ -129,7 +132,9 @@ def test_mixed_ragged_batch(fast: object, gqa_ratio: int, block_size: int, dtype
     seed = gqa_ratio * 1000 + block_size
     rng = random.Random(seed)
     reqs = random_reqs(rng, num_reqs=rng.randint(2, 6), max_len=2 * block_size + 5)
-    check(fast, make_case(reqs, 2, gqa_ratio, block_size, dtype, seed, pad_rows=rng.randint(0, 5), pad_blocks=3))
+    check(
+        fast, make_case(reqs, 2, gqa_ratio, block_size, dtype, seed, pad_rows=rng.randint(0, 5), pad_blocks=3)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -185,21 +190,21 @@ def test_non_contiguous_q(fast: object) -> None:
 
 
 @torch.inference_mode()
-def test_plan_rebuilt_when_step_changes(fast: object) -> None:
-    # One backend serves every layer and step (under inference mode, as in the runner): an
-    # in-place refill of the block table, or new lengths, must not reuse the previous step's
-    # gather indices or masks.
+def test_each_step_builds_its_own_metadata(fast: AttentionBackend) -> None:
+    # One backend serves every layer and step (under inference mode, as in the runner): a step
+    # whose table or lengths changed gets metadata of its own, and shared gather buffers never
+    # carry one step's blocks into the next.
     backend, reference = fast, ReferenceAttentionBackend()
     case = make_case([(30, 1), (45, 1)], 2, 2, 16, torch.float32, 23, pad_blocks=2)
+    first = backend.build_metadata(case.metadata)
     torch.testing.assert_close(run(backend, case), run(reference, case))
     table = case.metadata.block_table
     table.copy_(table.flip(0))
     torch.testing.assert_close(run(backend, case), run(reference, case))
     case.metadata.seq_lens = [31, 46]
     torch.testing.assert_close(run(backend, case), run(reference, case))
-
-
-def test_registered(kernel_cache_root: str) -> None:
-    assert get_attention_backend("cpu_paged").name == "cpu_paged"
-    if load_cpu_kernels(kernel_cache_root):
-        assert get_attention_backend("cpu_flash", cache_root=kernel_cache_root).name == "cpu_flash"
+    # Every layer of a step reads the same metadata: twice through one record, same answer.
+    again = backend.build_metadata(case.metadata)
+    out = [backend.forward(case.q, case.k_cache, case.v_cache, again, case.spec) for _ in range(2)]
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+    assert first is not again

@@ -132,7 +132,9 @@ def test_cpu_bf16_equals_f_linear(bf16_kernel: None, rows: int, bias: bool, shap
 
 def test_cpu_bf16_compiled_equals_eager_and_skips_odd_widths(bf16_kernel: None) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 33), nn.Linear(33, 8)).to(torch.bfloat16)
+    model = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 33), nn.Linear(33, 8)).to(
+        torch.bfloat16
+    )
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = model(x)

@@ -15,7 +15,12 @@ from axon.platforms.cpu_threads import parse_cpu_list, thread_cpus
 def test_parse_cpu_list() -> None:
     assert parse_cpu_list("0-3,8") == [0, 1, 2, 3, 8]
     assert parse_cpu_list("5") == [5]
-    for bad, match in [("a-b", "not a CPU number"), ("3-1", "ascending"), ("0,0", "twice"), ("", "not a CPU")]:
+    for bad, match in [
+        ("a-b", "not a CPU number"),
+        ("3-1", "ascending"),
+        ("0,0", "twice"),
+        ("", "not a CPU"),
+    ]:
         with pytest.raises(ValueError, match=match):
             parse_cpu_list(bad)
 

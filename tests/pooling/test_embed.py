@@ -233,6 +233,27 @@ def test_small_batches_equal_default(minilm_path: str, embed_llm) -> None:
         assert np.allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-5)
 
 
+def test_compiled_buckets_equal_eager(minilm_path: str, embed_llm, tmp_path) -> None:
+    """The encoder compiled per bucket (its attention an opaque op; padded rows attend nothing
+    and reach no pooled vector) gives the eager vectors, in batches split across buckets."""
+    from axon import LLM
+
+    compiled = LLM(
+        model=minilm_path,
+        dtype="float32",
+        enforce_eager=False,
+        bucket_compile="warmup",
+        cache_root=str(tmp_path),
+        max_num_batched_tokens=128,
+        num_batched_tokens_buckets=[32, 128],
+        max_num_seqs=8,
+    )
+    worker = compiled.llm_engine.engine_core.executor.worker
+    assert sorted(worker.compiler.stats.records) == [1, 2, 4, 8, 32, 128]
+    for a, b in zip(compiled.embed(SENTENCES), embed_llm.embed(SENTENCES), strict=True):
+        assert np.allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("modules", "pooling", "expected"),
     [

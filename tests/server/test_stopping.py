@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import ServerProcess
 
 PROMPT = "What is the capital of France?"
 MESSAGES = [{"role": "user", "content": PROMPT}]

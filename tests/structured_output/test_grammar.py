@@ -11,10 +11,10 @@ import torch
 from axon.config import CacheConfig, SchedulerConfig
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
-from axon.scheduler_output import GrammarOutput, ModelRunnerOutput
 from axon.engine.arg_utils import create_engine_config
 from axon.sample.grammar import GrammarBitmask, apply_grammar_bitmask, unpack_bitmask
 from axon.sampling_params import SamplingParams, StructuredOutputsParams
+from axon.scheduler_output import GrammarOutput, ModelRunnerOutput
 from axon.structured_output.backend_xgrammar import validate_structured_outputs
 from axon.structured_output.manager import StructuredOutputManager, Verdict
 from axon.structured_output.options import (

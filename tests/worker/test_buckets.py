@@ -8,7 +8,7 @@ import torch
 
 from axon.config import build_config, replace
 from axon.forward_context import set_forward_context
-from axon.model.layers.attention import AttentionMetadata
+from axon.model.layers.attention import CommonAttentionMetadata
 from axon.worker.buckets import Buckets, bucket_name, parse_bucket_list, powers_of_two, resolve_bucket_lists
 
 
@@ -105,7 +105,7 @@ def test_padding_never_changes_logits(tiny_model_dir) -> None:
     def run(pad_rows: int, pad_cols: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         for k, v in worker.kv_caches:
             k.zero_(), v.zero_()
-        md = AttentionMetadata(
+        md = CommonAttentionMetadata(
             num_actual_tokens=8,
             slot_mapping=torch.cat([slots, torch.full((pad_rows,), -1)]),
             query_start_loc=[0, 5, 8],

@@ -22,12 +22,12 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from axon.engine.async_llm import AsyncLLM
+from axon.engine.pooling_inputs import PoolingInput
 from axon.engine.tokenizer import PromptTooLong, render_chat
 from axon.entrypoints.openai.errors import bad_request, model_not_found, unavailable
 from axon.entrypoints.openai.protocol import ChatMessage, SamplingFields, UsageInfo
 from axon.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from axon.entrypoints.openai.tool_choice import tool_message_fields
-from axon.engine.pooling_inputs import PoolingInput
 from axon.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from axon.sampling_params import RequestOutputKind, SamplingParams
 

@@ -1,9 +1,11 @@
 """BERT encoders (all-MiniLM-L6-v2 and other sentence-transformers BERT models).
 
 A bidirectional encoder needs no KV cache: one forward over the step's flat layout of whole
-prompts (encoder-only attention, ``axon/model/layers/attention/encoder.py``) gives every token's
+prompts (encoder-only attention layers: ``AttentionType.ENCODER_ONLY``) gives every token's
 hidden state, which the runner's pooler (``axon/model/pooler.py``) reduces to one vector per
-sequence. Everything but attention runs on the [T, hidden] tokens alone: no padding. Parameter names equal Hugging Face's ``BertModel``, so checkpoints load by
+sequence. Everything but attention runs on the [T, hidden] tokens alone, with no padding between
+sequences, and is compiled per bucket like a decoder (bias, GELU, residual and LayerNorm fused
+around the GEMMs). Parameter names equal Hugging Face's ``BertModel``, so checkpoints load by
 name (a ``bert.`` prefix, as in ``BertForMaskedLM`` checkpoints, is stripped).
 """
 
@@ -17,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon.forward_context import get_forward_context
-from axon.model.layers.attention.encoder import encoder_attention
+from axon.model.layers.attention import AttentionBackend, AttentionType
+from axon.model.layers.attention.layer import Attention
 from axon.model.models.weights import load_by_name
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
@@ -77,33 +79,35 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    def __init__(self, arch: EncoderArch) -> None:
+    def __init__(self, arch: EncoderArch, backend: AttentionBackend) -> None:
         super().__init__()
         h = arch.hidden_size
         self.num_heads, self.head_dim = arch.num_heads, h // arch.num_heads
         self.query = nn.Linear(h, h)
         self.key = nn.Linear(h, h)
         self.value = nn.Linear(h, h)
+        self.attn = Attention(
+            self.num_heads, self.num_heads, self.head_dim, backend, attn_type=AttentionType.ENCODER_ONLY
+        )
 
-    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, hidden] -> [T, hidden]
         t = x.shape[0]
 
         def heads(proj: nn.Linear) -> torch.Tensor:
             return proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
 
-        out = encoder_attention(heads(self.query), heads(self.key), heads(self.value), query_start_loc)
-        return out.reshape(t, -1)
+        return self.attn(heads(self.query), heads(self.key), heads(self.value)).reshape(t, -1)
 
 
 class BertAttention(nn.Module):
-    def __init__(self, arch: EncoderArch) -> None:
+    def __init__(self, arch: EncoderArch, backend: AttentionBackend) -> None:
         super().__init__()
-        self.self = BertSelfAttention(arch)
+        self.self = BertSelfAttention(arch, backend)
         self.output = _DenseNorm(arch.hidden_size, arch.hidden_size, arch.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
-        return self.output(self.self(x, query_start_loc), x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x), x)
 
 
 class _DenseNorm(nn.Module):
@@ -129,47 +133,45 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, arch: EncoderArch) -> None:
+    def __init__(self, arch: EncoderArch, backend: AttentionBackend) -> None:
         super().__init__()
-        self.attention = BertAttention(arch)
+        self.attention = BertAttention(arch, backend)
         self.intermediate = BertIntermediate(arch)
         self.output = _DenseNorm(arch.intermediate_size, arch.hidden_size, arch.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
-        x = self.attention(x, query_start_loc)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x)
         return self.output(self.intermediate(x), x)
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, arch: EncoderArch) -> None:
+    def __init__(self, arch: EncoderArch, backend: AttentionBackend) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(arch) for _ in range(arch.num_layers))
+        self.layer = nn.ModuleList(BertLayer(arch, backend) for _ in range(arch.num_layers))
 
 
 class BertModel(nn.Module):
     """forward(input_ids [T], positions [T]) -> last hidden states [T, hidden], over the step's
-    whole prompts (``query_start_loc`` of the forward context); a token attends only within its
-    own sequence, so its output does not depend on what it is batched with."""
+    whole prompts; a token attends only within its own sequence, so its output does not depend
+    on what it is batched with."""
 
     is_pooling_model = True
-    attention_type = "encoder_only"
+    attention_type = AttentionType.ENCODER_ONLY.value
 
-    def __init__(self, hf_config: dict[str, Any], backend: Any = None) -> None:
+    def __init__(self, hf_config: dict[str, Any], backend: AttentionBackend) -> None:
         super().__init__()
-        del backend  # the encoder attends over its own batch, with no KV cache
         self.arch = EncoderArch.from_hf(hf_config)
         self.embeddings = BertEmbeddings(self.arch)
-        self.encoder = BertEncoder(self.arch)
+        self.encoder = BertEncoder(self.arch, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        query_start_loc = get_forward_context().attn_metadata.query_start_loc
         x = self.embeddings(input_ids, positions)
         for layer in self.encoder.layer:
-            x = layer(x, query_start_loc)
+            x = layer(x)
         return x
 
-    def attention_layers(self) -> list[nn.Module]:
-        return []  # no paged attention layer: nothing binds a KV cache
+    def attention_layers(self) -> list[Attention]:
+        return [layer.attention.self.attn for layer in self.encoder.layer]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors by name; every parameter must be covered exactly once."""

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from axon.model.layers.attention.backend import AttentionBackend, AttentionMetadata, write_kv
+from axon.model.layers.attention.backend import (
+    AttentionBackend,
+    AttentionSpec,
+    AttentionType,
+    CommonAttentionMetadata,
+    Segment,
+    describe_step,
+    write_kv,
+)
 from axon.model.layers.attention.cpu_flash import CpuFlashAttentionBackend
 from axon.model.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from axon.model.layers.attention.reference import ReferenceAttentionBackend
 
-_BACKENDS: dict[str, type] = {
+_BACKENDS: dict[str, type[AttentionBackend]] = {
     "reference": ReferenceAttentionBackend,
     "cpu_paged": CpuPagedAttentionBackend,
     "cpu_flash": CpuFlashAttentionBackend,
@@ -23,4 +31,13 @@ def get_attention_backend(name: str, cache_root: str | None = None) -> Attention
     return _BACKENDS[name]()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend", "write_kv"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionSpec",
+    "AttentionType",
+    "CommonAttentionMetadata",
+    "Segment",
+    "describe_step",
+    "get_attention_backend",
+    "write_kv",
+]

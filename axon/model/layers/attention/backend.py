@@ -1,61 +1,210 @@
-"""The attention-backend interface and the per-step metadata every backend reads.
+"""The attention-backend interface: one description of a step, one builder, declared hooks.
 
 Layout of one step's flattened batch (requests concatenated, no padding between them):
 
-    tokens:          | req0 q0..q2 | req1 q0 | req2 q0..q4 |   num_actual_tokens = 9
-    query_start_loc:  0             3         4             9
+    tokens:          | req0 q0..q2 | req1 q0 | req2 q0..q5 | pad pad |   num_actual_tokens = 10
+    query_start_loc:  0             3         4             10          num_tokens = 12
     seq_lens:         context + new tokens of each request (what attention reads)
     slot_mapping[t] = block_id * block_size + offset where token t's K/V is written; -1 = padding,
                       written nowhere.
 
+Any number of query tokens per request is one shape: a decode has 1, a prefill segment many, a
+speculative verification step k + 1; each request's queries are the last ones of its sequence
+(bottom-right causal over its cached prefix). Requests of every kind share one step.
+
 Invariant: a step's new K/V are written into the cache before any query of that step reads it,
 so a request that hit blocks being filled by another request in the same step reads them whole.
+
+The step's life, once per forward (``axon/forward_context.py``):
+
+    common = describe_step(segments, ...)          # the runner: one shared description
+    metadata = backend.build_metadata(common)      # the backend's own per-step record
+    backend.begin_step(metadata, layers)           # hand it to kernels that keep state
+    ... each layer: backend.forward(q, k_cache, v_cache, metadata, layer.spec)   (decoder)
+                    backend.forward_encoder(q, k, v, metadata, layer.spec)       (encoder-only)
+    backend.end_step()
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from axon.model.layers.attention.encoder import encoder_attention
+
+if TYPE_CHECKING:
+    from axon.model.layers.attention.layer import Attention
+
+
+class AttentionType(enum.Enum):
+    DECODER = "decoder"  # causal over the request's paged KV cache, which it writes
+    ENCODER_ONLY = "encoder_only"  # bidirectional within each sequence; no KV cache at all
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer asks of its backend, beyond the step."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    attn_type: AttentionType = AttentionType.DECODER
+    # A query at position p reads keys p - sliding_window + 1 .. p; None: every earlier key.
+    sliding_window: int | None = None
+    # [num_heads] learned logits that join every softmax's denominator and attend to nothing
+    # (attention sinks, GPT-OSS); None: none.
+    sinks: torch.Tensor | None = field(default=None, compare=False)
+
 
 @dataclass
-class AttentionMetadata:
+class CommonAttentionMetadata:
+    """One step, as every backend and the runner see it (layout above); host-side lengths."""
+
     num_actual_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padded rows
     query_start_loc: list[int]  # [num_reqs + 1], host side
     seq_lens: list[int]  # [num_reqs], host side
     block_table: torch.Tensor  # [num_reqs, max_num_blocks] int64, 0 (null block) past the end
     block_size: int
-    _lengths: tuple[tuple, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the step, padding included."""
+        return self.slot_mapping.shape[0]
 
     def length_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query_start_loc, seq_lens) as int32 CPU tensors for kernels; built once per step
-        (and again if the lists are changed)."""
-        key = (tuple(self.query_start_loc), tuple(self.seq_lens))
-        if self._lengths is None or self._lengths[0] != key:
-            self._lengths = (
-                key,
-                torch.tensor(self.query_start_loc, dtype=torch.int32),
-                torch.tensor(self.seq_lens, dtype=torch.int32),
+        """(query_start_loc, seq_lens) as int32 CPU tensors, for kernels."""
+        return (
+            torch.tensor(self.query_start_loc, dtype=torch.int32),
+            torch.tensor(self.seq_lens, dtype=torch.int32),
+        )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's part of a step: positions ``start`` to ``end`` (exclusive) are computed,
+    reading keys 0 .. end - 1 through ``block_ids``."""
+
+    block_ids: Sequence[int]
+    start: int
+    end: int
+
+
+def describe_step(
+    segments: Sequence[Segment],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    num_tokens: int | None = None,
+    num_block_cols: int | None = None,
+) -> CommonAttentionMetadata:
+    """The step's description: the one place one is built. ``num_tokens`` pads the rows (padding
+    writes nothing), ``num_block_cols`` the block table (with the null block)."""
+    slots: list[int] = []
+    query_start_loc, seq_lens = [0], []
+    for seg in segments:
+        assert 0 <= seg.start < seg.end <= len(seg.block_ids) * block_size, (
+            f"positions {seg.start}..{seg.end} do not fit {len(seg.block_ids)} blocks of {block_size}"
+        )
+        ids = seg.block_ids
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(seg.start, seg.end)]
+        query_start_loc.append(query_start_loc[-1] + seg.end - seg.start)
+        seq_lens.append(seg.end)
+    num_actual = len(slots)
+    num_tokens = num_actual if num_tokens is None else num_tokens
+    assert num_tokens >= num_actual, f"{num_actual} tokens do not fit a step of {num_tokens} rows"
+    slots += [-1] * (num_tokens - num_actual)
+    cols = max((len(s.block_ids) for s in segments), default=1)
+    cols = cols if num_block_cols is None else max(cols, num_block_cols)
+    table = torch.zeros(len(segments), cols, dtype=torch.int64)
+    for i, seg in enumerate(segments):
+        table[i, : len(seg.block_ids)] = torch.tensor(seg.block_ids, dtype=torch.int64)
+    return CommonAttentionMetadata(
+        num_actual_tokens=num_actual,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=table.to(device),
+        block_size=block_size,
+    )
+
+
+class AttentionBackend:
+    """Every hook a backend has. A backend implements ``forward``; the others have defaults.
+
+    A backend serves every layer of a model and every step; ``build_metadata`` is called once a
+    step, so whatever a backend derives from the step (plans, masks, kernel-side state) is
+    derived there, once, not found again by each layer.
+    """
+
+    name: ClassVar[str]
+    # Layer features beyond plain causal attention that ``forward`` implements; a layer that
+    # needs one the backend lacks is refused when the model is built (``check_spec``).
+    supports_sliding_window: ClassVar[bool] = False
+    supports_sinks: ClassVar[bool] = False
+    # A torch op (q, k, v, layer_idx, scale) -> out that writes K/V and attends a decoder layer in
+    # one call, reading the step handed over by ``begin_step``: no Python per layer, inside
+    # compiled graphs too. None: layers go through ``forward``.
+    fused_layer_op: ClassVar[Callable[..., torch.Tensor] | None] = None
+
+    def check_spec(self, spec: AttentionSpec) -> None:
+        """Refuse, naming the feature, a layer this backend cannot attend."""
+        if spec.sliding_window is not None and not self.supports_sliding_window:
+            raise ValueError(
+                f"attention backend {self.name!r} does not implement sliding-window attention "
+                f"(window {spec.sliding_window}); use attention_backend='reference'"
             )
-        return self._lengths[1], self._lengths[2]
+        if spec.sinks is not None and not self.supports_sinks:
+            raise ValueError(
+                f"attention backend {self.name!r} does not implement attention sinks; "
+                "use attention_backend='reference'"
+            )
 
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """The backend's record of this step, read by every layer; by default the description."""
+        return common
 
-class AttentionBackend(Protocol):
-    name: str
+    def begin_step(self, metadata: Any, layers: Sequence[Attention]) -> None:
+        """Before the step's forward: hand the step to state kept outside Python (kernels)."""
+
+    def end_step(self) -> None:
+        """After the step's forward, also when it failed."""
 
     def forward(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], num_tokens >= num_actual_tokens
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Attend every query to its request's cached keys (new ones already written)."""
-        ...
+        metadata: Any,  # what build_metadata returned for this step
+        spec: AttentionSpec,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zeros
+        """Attend every query to its request's cached keys (this step's already written)."""
+        raise NotImplementedError
+
+    def forward_encoder(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        metadata: Any,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zeros
+        """Encoder-only attention: each sequence of the step attends to itself, whole."""
+        common = self.common(metadata)
+        n = common.num_actual_tokens
+        out = encoder_attention(q[:n], k[:n], v[:n], common.query_start_loc, spec.scale)
+        if n == q.shape[0]:
+            return out
+        return torch.cat([out, out.new_zeros((q.shape[0] - n, *out.shape[1:]))])
+
+    @staticmethod
+    def common(metadata: Any) -> CommonAttentionMetadata:
+        """The description a backend's record was built from."""
+        return metadata if isinstance(metadata, CommonAttentionMetadata) else metadata.common
 
 
 def write_kv(

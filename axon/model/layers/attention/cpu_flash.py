@@ -11,20 +11,36 @@ softmax, accumulated in float32. It needs the kernels built by ``axon.platforms.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from axon.config import default_cache_root
-from axon.model.layers.attention.backend import AttentionMetadata
+from axon.model.layers.attention.backend import AttentionBackend, AttentionSpec, CommonAttentionMetadata
 from axon.platforms.cpu_kernels import load_cpu_kernels
 
 if TYPE_CHECKING:
     from axon.model.layers.attention.layer import Attention
 
 
-class CpuFlashAttentionBackend:
+@dataclass
+class CpuFlashMetadata:
+    common: CommonAttentionMetadata
+    query_start_loc: torch.Tensor  # int32 copies of the lengths, as the kernels read them
+    seq_lens: torch.Tensor
+
+
+def _fused_layer_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    """One layer of the step set by ``begin_step``: write k, v, attend. [T, H, D] out."""
+    return torch.ops.axon_cpu.attention(q, k, v, layer_idx, scale)
+
+
+class CpuFlashAttentionBackend(AttentionBackend):
     name = "cpu_flash"
+    fused_layer_op = staticmethod(_fused_layer_op)
 
     def __init__(self, cache_root: str | None = None) -> None:
         if not load_cpu_kernels(cache_root or default_cache_root()):
@@ -33,28 +49,30 @@ class CpuFlashAttentionBackend:
                 "here (see the warning above); use 'cpu_paged'"
             )
 
-    @staticmethod
-    def layer_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-        """One layer of the step set by ``begin_step``: write k, v, attend. [T, H, D] out."""
-        return torch.ops.axon_cpu.attention(q, k, v, layer_idx, scale)
+    def build_metadata(self, common: CommonAttentionMetadata) -> CpuFlashMetadata:
+        return CpuFlashMetadata(common, *common.length_tensors())
 
-    def begin_step(self, metadata: AttentionMetadata, layers: Sequence[Attention]) -> None:
-        """Hand the step's metadata and every layer's cache to the kernels (once per forward)."""
-        query_start_loc, seq_lens = metadata.length_tensors()
+    def begin_step(self, metadata: CpuFlashMetadata, layers: Sequence[Attention]) -> None:
+        """Hand the step's metadata and every decoder layer's cache to the kernels."""
+        if not any(layer.is_decoder for layer in layers):
+            return  # an encoder: its layers go through forward_encoder
+        assert [layer.layer_idx for layer in layers if layer.is_decoder] == list(range(len(layers))), (
+            "the kernels address the caches of a model's decoder layers by layer index"
+        )
         caches = [layer.kv_cache for layer in layers]
         assert all(c is not None for c in caches), "KV cache not bound to every attention layer"
+        common = metadata.common
         torch.ops.axon_cpu.set_attention_step(
             [c[0] for c in caches],
             [c[1] for c in caches],
-            metadata.slot_mapping,
-            metadata.block_table,
-            query_start_loc,
-            seq_lens,
-            metadata.num_actual_tokens,
+            common.slot_mapping,
+            common.block_table,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            common.num_actual_tokens,
         )
 
-    @staticmethod
-    def end_step() -> None:
+    def end_step(self) -> None:
         torch.ops.axon_cpu.clear_attention_step()
 
     def forward(
@@ -62,17 +80,17 @@ class CpuFlashAttentionBackend:
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], num_tokens >= num_actual_tokens
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
+        metadata: CpuFlashMetadata,
+        spec: AttentionSpec,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zeros
-        query_start_loc, seq_lens = metadata.length_tensors()
+        common = metadata.common
         return torch.ops.axon_cpu.paged_attention(
             q.contiguous(),
             k_cache,
             v_cache,
-            metadata.block_table,
-            query_start_loc,
-            seq_lens,
-            metadata.num_actual_tokens,
-            scale,
+            common.block_table,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            common.num_actual_tokens,
+            spec.scale,
         )

@@ -18,9 +18,8 @@ ever calls the kernels torch's CPU build makes fast:
   where none is needed (decodes that fill their blocks, prefills without a cached prefix, which
   use ``is_causal``: keys past a request's end lie above its causal diagonal, so they are
   excluded for free).
-- **The plan is built once per step**: grouping, gather indices and masks depend only on the
-  metadata, so they are computed on the first layer's call and reused by the others (keyed on
-  the lengths and the block table's contents: a few microseconds to compare).
+- **The plan is the step's metadata**: grouping, gather indices and masks depend only on the
+  step, so ``build_metadata`` computes them once and every layer reuses them.
 - **Gathers land in reused buffers** (``index_select(out=...)``), grow-only and shared by every
   layer and step: a fresh tensor per gather above glibc's mmap threshold (32 MiB at most) is
   mapped and page-faulted anew each time; for 64 decodes of ~640 tokens (4 KV heads of 64,
@@ -44,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from axon.model.layers.attention.backend import AttentionMetadata
+from axon.model.layers.attention.backend import AttentionBackend, AttentionSpec, CommonAttentionMetadata
 
 
 @dataclass
@@ -64,57 +63,49 @@ class _Group:
 
 
 @dataclass
-class _Plan:
-    """What one step's groups were built from, and the groups."""
+class CpuPagedMetadata:
+    """The step, and its groups (one SDPA call each)."""
 
-    key: tuple[object, ...]  # block_size, num_actual_tokens, query_start_loc, seq_lens, cache geometry
-    block_table: torch.Tensor  # a copy of the step's table
+    common: CommonAttentionMetadata
     groups: list[_Group]
+    gather_shape: tuple[int, ...] | None = None  # cache geometry the groups' gather buffers fit
 
 
-class CpuPagedAttentionBackend:
+class CpuPagedAttentionBackend(AttentionBackend):
     name = "cpu_paged"
 
     def __init__(self) -> None:
-        self._plan: _Plan | None = None
         self._scratch: list[torch.Tensor] = []  # flat, grow-only; two per group
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> CpuPagedMetadata:
+        return CpuPagedMetadata(common, _build_groups(common))
 
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], num_tokens >= num_actual_tokens
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
+        metadata: CpuPagedMetadata,
+        spec: AttentionSpec,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        groups = self._plan_for(metadata, k_cache).groups
+        groups = self._with_buffers(metadata, k_cache)
         if len(groups) == 1 and isinstance(groups[0].rows, slice) and groups[0].rows == slice(0, len(q)):
-            return _attend(q, k_cache, v_cache, groups[0], scale)  # no padding rows: no copy
+            return _attend(q, k_cache, v_cache, groups[0], spec.scale)  # no padding rows: no copy
         out = torch.zeros_like(q)
         for group in groups:
-            out[group.rows] = _attend(q[group.rows], k_cache, v_cache, group, scale)
+            out[group.rows] = _attend(q[group.rows], k_cache, v_cache, group, spec.scale)
         return out
 
-    def _plan_for(self, metadata: AttentionMetadata, cache: torch.Tensor) -> _Plan:
-        # Keyed on contents, not identity: a runner may refill one persistent metadata and block
-        # table in place each step (and inference tensors have no version counter to tell).
-        # The cache's dtype and block geometry size the gather buffers.
-        key = (
-            metadata.block_size,
-            metadata.num_actual_tokens,
-            tuple(metadata.query_start_loc),
-            tuple(metadata.seq_lens),
-            cache.dtype,
-            tuple(cache.shape[1:]),
-        )
-        plan, table = self._plan, metadata.block_table
-        if plan is None or plan.key != key or not _same_table(plan.block_table, table):
-            plan = self._plan = _Plan(key, table.clone(), _build_groups(metadata))
-            for i, group in enumerate(plan.groups):
-                shape = (group.num_reqs * group.num_blocks, *cache.shape[1:])
-                group.k_out = self._scratch_view(2 * i, shape, cache)
-                group.v_out = self._scratch_view(2 * i + 1, shape, cache)
-        return plan
+    def _with_buffers(self, metadata: CpuPagedMetadata, cache: torch.Tensor) -> list[_Group]:
+        """The groups, their gathers landing in this backend's scratch (set on the first layer)."""
+        shape = (cache.dtype, *cache.shape[1:])
+        if metadata.gather_shape != shape:
+            for i, group in enumerate(metadata.groups):
+                size = (group.num_reqs * group.num_blocks, *cache.shape[1:])
+                group.k_out = self._scratch_view(2 * i, size, cache)
+                group.v_out = self._scratch_view(2 * i + 1, size, cache)
+            metadata.gather_shape = shape
+        return metadata.groups
 
     def _scratch_view(self, slot: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         numel = math.prod(shape)
@@ -126,11 +117,7 @@ class CpuPagedAttentionBackend:
         return buf[:numel].view(shape)
 
 
-def _same_table(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(a, b))
-
-
-def _build_groups(metadata: AttentionMetadata) -> list[_Group]:
+def _build_groups(metadata: CommonAttentionMetadata) -> list[_Group]:
     """Group the step's requests by query count, in order of first appearance."""
     qsl = metadata.query_start_loc
     num_reqs = len(metadata.seq_lens)
@@ -146,7 +133,7 @@ def _build_groups(metadata: AttentionMetadata) -> list[_Group]:
     return [_build_group(metadata, n, req_idx) for n, req_idx in by_q_len.items()]
 
 
-def _build_group(metadata: AttentionMetadata, q_len: int, req_idx: list[int]) -> _Group:
+def _build_group(metadata: CommonAttentionMetadata, q_len: int, req_idx: list[int]) -> _Group:
     qsl, bs = metadata.query_start_loc, metadata.block_size
     seq_lens = [metadata.seq_lens[i] for i in req_idx]
     assert min(seq_lens) >= q_len, f"a request reads fewer keys than its {q_len} queries"

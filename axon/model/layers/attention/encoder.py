@@ -16,13 +16,19 @@ import torch.nn.functional as F
 
 
 def encoder_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: Sequence[int]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: Sequence[int],
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q, k, v [T, heads, head_dim] -> [T, heads, head_dim]."""
+    """q [T, heads, head_dim], k, v [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
     t, h, d = q.shape
     lens = torch.tensor([b - a for a, b in itertools.pairwise(query_start_loc)])
     if len(lens) == 1:  # one sequence: no padding, no mask
-        out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)))
+        out = F.scaled_dot_product_attention(
+            *(x.transpose(0, 1)[None] for x in (q, k, v)), scale=scale, enable_gqa=True
+        )
         return out[0].transpose(0, 1)
     b, longest = len(lens), int(lens.max())
     starts = torch.tensor(list(query_start_loc[:-1]))
@@ -30,10 +36,12 @@ def encoder_attention(
     flat = (rows * longest + torch.arange(t) - starts[rows]).to(q.device)  # [T] its padded slot
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D], zeros past each end
-        out = x.new_zeros((b * longest, h, d))
+        out = x.new_zeros((b * longest, *x.shape[1:]))
         out[flat] = x
-        return out.view(b, longest, h, d).transpose(1, 2)
+        return out.view(b, longest, *x.shape[1:]).transpose(1, 2)
 
     mask = (torch.arange(longest)[None, :] < lens[:, None]).to(q.device)[:, None, None, :]  # [B,1,1,L]
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask)
+    out = F.scaled_dot_product_attention(
+        padded(q), padded(k), padded(v), attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out.transpose(1, 2).reshape(b * longest, h, d)[flat]

@@ -1,15 +1,15 @@
-"""The attention layer, and the ops that keep paged attention out of compiled graphs.
+"""The attention layer, and the op that keeps attention out of compiled graphs.
 
-A compiled graph (one per bucket shape) holds everything of a decoder layer except paged
-attention itself: the step's metadata (block tables, ragged lengths) is host-side and changes
-every step, so tracing it would recompile every step. Attention is an opaque op to Dynamo and
-Inductor that takes only this step's q, k, v (and constants) and finds its layer's KV cache and
-the step's metadata where the runner put them:
+A compiled graph (one per bucket shape) holds everything of a layer except attention itself:
+the step's metadata (block tables, ragged lengths) is host-side and changes every step, so
+tracing it would recompile every step. Attention is an opaque op to Dynamo and Inductor that
+takes this step's q, k, v and the layer's index, and finds the layer (its KV cache, its spec)
+and the step's metadata in the forward context:
 
-- a backend with a ``layer_op`` (``cpu_flash``) is a C++ op that reads a step set in C++ by
-  the backend's ``begin_step`` (called by ``set_forward_context``): no Python per layer;
-- any other backend runs behind ``torch.ops.axon.paged_attention``, a Python custom op that
-  finds the layer and metadata in the forward context.
+- a backend with a ``fused_layer_op`` (``cpu_flash``) attends a decoder layer in one C++ op
+  that reads the step set by its ``begin_step``: no Python per layer;
+- every other layer goes through ``torch.ops.axon.attention``, which calls the backend's
+  ``forward`` (decoder) or ``forward_encoder`` (encoder-only).
 """
 
 from __future__ import annotations
@@ -18,55 +18,77 @@ import torch
 from torch import nn
 
 from axon.forward_context import get_forward_context
-from axon.model.layers.attention.backend import AttentionBackend, write_kv
+from axon.model.layers.attention.backend import AttentionBackend, AttentionSpec, AttentionType, write_kv
 
 
 class Attention(nn.Module):
-    """Paged attention of one layer: write this step's K/V to the cache, then attend.
+    """Attention of one layer. A decoder layer writes this step's K/V to its paged cache, then
+    attends; an encoder-only layer attends over the step's own K/V and keeps none.
 
-    The runner binds ``kv_cache`` (a (k_cache, v_cache) pair of
-    [num_blocks, block_size, num_kv_heads, head_dim] tensors) before the first forward.
+    The runner binds the layer's index (its place in ``model.attention_layers()``) and, for a
+    decoder, ``kv_cache`` (a (k_cache, v_cache) pair of [num_blocks, block_size, num_kv_heads,
+    head_dim] tensors) before the first forward.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        attn_type: AttentionType = AttentionType.DECODER,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, (
             f"{num_heads} heads are not a multiple of {num_kv_heads} KV heads"
         )
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.spec = AttentionSpec(
+            num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_type, sliding_window, sinks
+        )
+        backend.check_spec(self.spec)
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.layer_idx = -1  # the layer's place in the model; set with its cache
+        self.layer_idx = -1  # the layer's place in the model; bound by the runner
 
-    def bind_kv_cache(self, layer_idx: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+    @property
+    def is_decoder(self) -> bool:
+        return self.spec.attn_type is AttentionType.DECODER
+
+    def bind_kv_cache(self, layer_idx: int, kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        assert (kv_cache is not None) == self.is_decoder, "decoder layers, and only they, have a KV cache"
         self.layer_idx, self.kv_cache = layer_idx, kv_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, H, D]; k, v [T, KVH, D] -> [T, H, D]
-        layer_op = getattr(self.backend, "layer_op", None)
-        if layer_op is not None:
-            return layer_op(q, k, v, self.layer_idx, self.scale)
+        fused = self.backend.fused_layer_op
+        if fused is not None and self.is_decoder:
+            return fused(q, k, v, self.layer_idx, self.spec.scale)
         if torch.compiler.is_compiling():
-            return torch.ops.axon.paged_attention(q, k, v)
+            return torch.ops.axon.attention(q, k, v, self.layer_idx)
         return self.attend(q, k, v)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        assert self.kv_cache is not None, "KV cache not bound to this attention layer"
+        assert self.layer_idx >= 0, "attention layer not bound: the runner binds every layer's index"
         metadata = get_forward_context().attn_metadata
-        if metadata.num_actual_tokens == 0:  # a compile-time forward: padding rows only
+        common = self.backend.common(metadata)
+        if common.num_actual_tokens == 0:  # a compile-time forward: padding rows only
             return torch.zeros_like(q)
+        if not self.is_decoder:
+            return self.backend.forward_encoder(q, k, v, metadata, self.spec)
+        assert self.kv_cache is not None, "KV cache not bound to this attention layer"
         k_cache, v_cache = self.kv_cache
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return self.backend.forward(q, k_cache, v_cache, metadata, self.scale)
+        write_kv(k, v, k_cache, v_cache, common.slot_mapping)
+        return self.backend.forward(q, k_cache, v_cache, metadata, self.spec)
 
 
-@torch.library.custom_op("axon::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The next attention layer of this forward (layers are called in order, once each)."""
-    return get_forward_context().next_attention_layer().attend(q, k, v)
+@torch.library.custom_op("axon::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """Layer ``layer_idx`` of the forward context's model attends this step's q, k, v."""
+    return get_forward_context().attention_layers[layer_idx].attend(q, k, v)
 
 
-@paged_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
     return torch.empty_like(q)

@@ -1,9 +1,12 @@
 """The pure-torch reference attention backend: the oracle for every fast kernel.
 
 Keys and values are gathered from the paged cache through each request's block table and
-attended with torch's scaled_dot_product_attention (float32 accumulation). Requests with one query (decodes) are attended together, padded to the
-longest context; requests with several queries (prefill segments) one at a time, causally.
-Grouped-query attention is a reshape: query heads [KVH * G] attend their KV head.
+attended in float32. Requests with one query (decodes) are attended together, padded to the
+longest context; requests with several queries (prefill segments, speculative verification) one
+at a time, bottom-right causal over their cached prefix. Grouped-query attention is native to
+SDPA. It is also the one backend with every layer feature: a sliding window is a band of the
+mask, and attention sinks (a learned per-head logit in every softmax's denominator) make it
+compute the softmax itself.
 """
 
 from __future__ import annotations
@@ -11,19 +14,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from axon.model.layers.attention.backend import AttentionMetadata
+from axon.model.layers.attention.backend import AttentionBackend, AttentionSpec, CommonAttentionMetadata
 
 
-class ReferenceAttentionBackend:
+class ReferenceAttentionBackend(AttentionBackend):
     name = "reference"
+    supports_sliding_window = True
+    supports_sinks = True
 
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
+        metadata: CommonAttentionMetadata,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         out = torch.zeros_like(q)
         qsl = metadata.query_start_loc
@@ -31,7 +36,7 @@ class ReferenceAttentionBackend:
         decodes = [i for i, n in enumerate(q_lens) if n == 1]
         if decodes:
             rows = torch.tensor([qsl[i] for i in decodes], device=q.device)
-            out[rows] = _attend_decodes(q[rows], k_cache, v_cache, metadata, decodes, scale).to(q.dtype)
+            out[rows] = _attend_decodes(q[rows], k_cache, v_cache, metadata, decodes, spec).to(q.dtype)
         for i, n in enumerate(q_lens):
             if n > 1:
                 seq_len = metadata.seq_lens[i]
@@ -39,8 +44,8 @@ class ReferenceAttentionBackend:
                     k_cache, v_cache, metadata.block_table[i : i + 1], seq_len, metadata.block_size
                 )
                 q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, S] causal
-                out[qsl[i] : qsl[i + 1]] = _attend(q[None, qsl[i] : qsl[i + 1]], k, v, mask[None], scale)[
+                mask = _band(torch.arange(seq_len, device=q.device)[None, :], q_pos[:, None], spec)  # [n, S]
+                out[qsl[i] : qsl[i + 1]] = _attend(q[None, qsl[i] : qsl[i + 1]], k, v, mask[None], spec)[
                     0
                 ].to(q.dtype)
         return out
@@ -50,16 +55,24 @@ def _attend_decodes(
     q: torch.Tensor,  # [B, H, D], one query per request
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    metadata: CommonAttentionMetadata,
     req_idx: list[int],
-    scale: float,
+    spec: AttentionSpec,
 ) -> torch.Tensor:  # [B, H, D]
     seq_lens = torch.tensor([metadata.seq_lens[i] for i in req_idx], device=q.device)
     max_len = int(seq_lens.max())
     block_table = metadata.block_table[torch.tensor(req_idx, device=q.device)]
     k, v = _gather_kv(k_cache, v_cache, block_table, max_len, metadata.block_size)
-    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
-    return _attend(q[:, None], k, v, mask[:, None], scale)[:, 0]
+    mask = _band(torch.arange(max_len, device=q.device)[None, :], seq_lens[:, None] - 1, spec)  # [B, S]
+    return _attend(q[:, None], k, v, mask[:, None], spec)[:, 0]
+
+
+def _band(key_pos: torch.Tensor, query_pos: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """True where a query may read a key: causal, and within the sliding window if any."""
+    mask = key_pos <= query_pos
+    if spec.sliding_window is not None:
+        mask &= key_pos > query_pos - spec.sliding_window
+    return mask
 
 
 def _gather_kv(
@@ -79,15 +92,25 @@ def _attend(
     k: torch.Tensor,  # [B, S, KVH, D]
     v: torch.Tensor,  # [B, S, KVH, D]
     mask: torch.Tensor,  # [B, Q, S] bool, True = may attend
-    scale: float,
+    spec: AttentionSpec,
 ) -> torch.Tensor:  # [B, Q, H, D]
-    # torch's SDPA accumulates in float32 for reduced-precision inputs; GQA is native.
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=True,
-    )  # [B, H, Q, D]
-    return out.transpose(1, 2)
+    if spec.sinks is None:
+        # torch's SDPA accumulates in float32 for reduced-precision inputs; GQA is native.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=spec.scale,
+            enable_gqa=True,
+        )  # [B, H, Q, D]
+        return out.transpose(1, 2)
+    group = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)  # [B, H, Q, D]
+    kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, S, D]
+    vf = v.float().repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = (qf @ kf.transpose(-1, -2)) * spec.scale  # [B, H, Q, S]
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    sink = spec.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)  # [B, H, Q, 1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ vf).transpose(1, 2)  # [B, Q, H, D]
