@@ -5,9 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -139,3 +145,90 @@ def vllm_cpu_env(vllm_python: str, kv_space_gib: float = 4, threads_bind: str = 
         VLLM_CPU_OMP_THREADS_BIND=threads_bind,
         LD_PRELOAD=":".join(preload),
     )
+
+
+def cpu_summary() -> str:
+    """The CPU's model name, core count and the vector/matrix flags that decide kernel speed."""
+    name, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown CPU":
+                    name = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    shown = [
+        f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags
+    ]
+    return f"{name}, {os.cpu_count()} cores, {' '.join(shown) or 'no AVX2/AVX-512/AMX'}"
+
+
+# Servers: one process at a time on a free local port, answered /health 200 before any load.
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(engine: str, folder: str, port: int, extra: Sequence[str], vllm_python: str) -> list[str]:
+    """``axon serve`` from this Python, or vLLM's OpenAI server from its venv (its ``vllm``
+    console script cannot find its own metadata), on 127.0.0.1:port with ``extra`` flags."""
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    if engine == "axon":
+        return [sys.executable, "-m", "axon.entrypoints.cli", "serve", folder, *where, *extra]
+    assert engine == "vllm", f"unknown engine {engine!r}"
+    return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, *where, *extra]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before /health answered 200")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"/health did not answer 200 within {timeout:.0f} s")
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    port: int  # on 127.0.0.1
+    proc: subprocess.Popen
+    startup_s: float  # process start -> /health 200
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def running_server(
+    command: Callable[[int], list[str]], env: dict[str, str], log_path: str, startup_timeout: float
+) -> Iterator[RunningServer]:
+    """Start ``command(port)`` on a free port (output to ``log_path``), wait for /health 200,
+    and stop it with SIGTERM (SIGKILL after 30 s) however the block ends."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(command(port), env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, startup_timeout)
+        yield RunningServer(port, proc, time.perf_counter() - start, log_path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

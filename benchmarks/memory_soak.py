@@ -33,7 +33,7 @@ import psutil
 if __package__ in (None, ""):  # run as a file: make the repo root (axon, benchmarks) importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.serve_vs_vllm import free_port, wait_healthy
+from benchmarks.common import free_port, wait_healthy
 
 _MIB = 1 << 20
 

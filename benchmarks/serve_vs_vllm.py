@@ -16,68 +16,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repo root (axon, benchmarks) importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from axon.entrypoints.bench_serve import add_serve_args, run_benchmark
-from benchmarks.common import markdown_table, model_folder
-
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+from axon.entrypoints.bench_serve import add_serve_args, run_benchmark, validate_args
+from benchmarks.common import markdown_table, model_folder, running_server, serve_command, vllm_cpu_env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_command(engine: str, folder: str, port: int, args: argparse.Namespace) -> list[str]:
-    common = ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
-    if engine == "axon":
-        return [sys.executable, "-m", "axon.entrypoints.cli", "serve", folder, *common]
-    return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, *common]
+def server_command(engine: str, port: int, args: argparse.Namespace) -> list[str]:
+    return serve_command(engine, args.folder, port, ["--dtype", args.dtype], args.vllm_python)
 
 
 def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
     if engine == "vllm":
-        venv = os.path.dirname(os.path.dirname(args.vllm_python))
-        preload = [p for p in (TCMALLOC, os.path.join(venv, "lib", "libiomp5.so")) if os.path.exists(p)]
-        env.update(VLLM_CPU_OMP_THREADS_BIND=args.threads_bind, LD_PRELOAD=":".join(preload))
-    return env
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before /health answered 200")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"/health did not answer 200 within {timeout:.0f} s")
+        return vllm_cpu_env(args.vllm_python, args.kv_space_gib, args.threads_bind)
+    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{args.kv_space_gib:g}")
 
 
 def load_args(port: int, num_prompts: int, output_len: int, args: argparse.Namespace) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    return parser.parse_args(
+    load = parser.parse_args(
         [
             "--port", str(port),
             "--dataset-name", "random",
@@ -90,6 +57,8 @@ def load_args(port: int, num_prompts: int, output_len: int, args: argparse.Names
             "--tokenizer", args.folder,
         ]
     )  # fmt: skip
+    validate_args(load)  # as `axon bench serve` does: resolves --backend's endpoint
+    return load
 
 
 @dataclass
@@ -103,34 +72,20 @@ class EngineResult:
 
 
 def bench_engine(engine: str, args: argparse.Namespace) -> EngineResult:
-    port = free_port()
     log_path = os.path.join(args.log_dir, f"serve-{engine}.log")
-    with open(log_path, "w") as log:
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            server_command(engine, args.folder, port, args),
-            env=server_env(engine, args),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", proc, args.startup_timeout)
-            result = EngineResult(engine, time.perf_counter() - start)
-            print(f"{engine}: /health 200 after {result.startup_s:.1f} s (log: {log_path})", flush=True)
-            asyncio.run(run_benchmark(load_args(port, args.max_concurrency, 16, args)))  # warm-up
-            for i in range(args.runs):
-                print(f"{engine}: run {i + 1}/{args.runs}", flush=True)
-                run = asyncio.run(run_benchmark(load_args(port, args.num_prompts, args.output_len, args)))
-                if run["failed"]:
-                    raise RuntimeError(f"{engine}: {run['failed']} requests failed; see {log_path}")
-                result.runs.append(run)
-            return result
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    command = functools.partial(server_command, engine, args=args)
+    with running_server(command, server_env(engine, args), log_path, args.startup_timeout) as server:
+        port = server.port
+        result = EngineResult(engine, server.startup_s)
+        print(f"{engine}: /health 200 after {result.startup_s:.1f} s (log: {log_path})", flush=True)
+        asyncio.run(run_benchmark(load_args(port, args.max_concurrency, 16, args)))  # warm-up
+        for i in range(args.runs):
+            print(f"{engine}: run {i + 1}/{args.runs}", flush=True)
+            run = asyncio.run(run_benchmark(load_args(port, args.num_prompts, args.output_len, args)))
+            if run["failed"]:
+                raise RuntimeError(f"{engine}: {run['failed']} requests failed; see {log_path}")
+            result.runs.append(run)
+        return result
 
 
 COLUMNS = [
