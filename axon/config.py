@@ -110,7 +110,9 @@ LINEAR_BACKENDS = ("auto", "cpu_bf16", "onednn", "torch")  # see axon/model/laye
 @dataclass(frozen=True)
 class CompilationConfig:
     enforce_eager: bool | None = None
-    """No compiled graphs, every step eager. None: $AXON_ENFORCE_EAGER (1/0), else off."""
+    """No compiled graphs, every step eager. None: $AXON_ENFORCE_EAGER (1/0), else off, except
+    for encoder-only models (BERT), which run eagerly at each step's exact size unless this is
+    False."""
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     """Buckets of steps that prefill (static shapes; axon/worker/buckets.py), e.g. 128,512,2048;
     None: powers of two from 128 to max_num_batched_tokens. Also read from vllm-neuron's

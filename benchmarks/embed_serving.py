@@ -5,7 +5,8 @@ embedded with all-MiniLM-L6-v2, one sentence per ``/v1/embeddings`` request, sen
 ``openai.AsyncOpenAI(...).embeddings.create`` (its default base64 encoding). Each server is
 started alone on a free port (start -> ``/health`` 200 is timed), warmed up on the first
 ``--warmup-sentences`` in both modes, then timed ``--runs`` times in each mode, and stopped before
-the next server starts:
+the next server starts (axon with ``--bucket-compile warmup``: its graphs are built before
+``/health`` answers, as vLLM's are, so no timed run waits for a compilation):
 
 - concurrent: ``--concurrency`` clients (default 32), each taking the next sentence when its
   previous request has been answered;
@@ -119,6 +120,8 @@ def bench_server(engine: str, texts: list[str], args: argparse.Namespace) -> Ser
     extra = ["--dtype", args.dtype]
     if engine == "vllm":
         extra += ["--runner", "pooling"]
+    else:  # every bucket's graph built before /health, as vLLM compiles before it serves
+        extra += ["--bucket-compile", "warmup"]
     env = vllm_cpu_env(args.vllm_python) if engine == "vllm" else dict(os.environ)
     command = functools.partial(serve_command, engine, args.folder, extra=extra, vllm_python=args.vllm_python)
     log_path = os.path.join(args.log_dir, f"embed-serve-{engine}.log")

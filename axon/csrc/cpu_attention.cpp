@@ -12,6 +12,10 @@
 // Query i of a request with n queries and L keys sits at position L - n + i and may read keys
 // 0 .. L - n + i (bottom-right causal; covers a cached prefix and a plain decode alike).
 //
+// ``encoder_attention`` runs the same kernels without a cache or a mask: each sequence of a flat
+// [tokens, heads, head_dim] step attends to all of its own tokens (bidirectional, BERT), its
+// keys read in place from the step's k and v (a "cache" of one-token blocks).
+//
 // Work items are (request, KV head, chunk of queries). The G query heads sharing a KV head are
 // rows of one item, so each key and value is widened to float32 once for all of them.
 // Accumulation is float32 for every input dtype. Two strategies:
@@ -28,6 +32,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
@@ -75,6 +80,7 @@ struct Item {
   int64_t num_heads, group, head_dim, block_size, token_stride, block_stride;
   int64_t kv_head, num_item_heads, first_token, first_pos, q_begin, q_end;  // first_pos: query 0's position
   float scale;
+  int64_t all_keys;  // > 0: not causal, every query reads keys 0 .. all_keys - 1
 
   int64_t rows_per_head() const { return (q_end - q_begin) * group; }
   int64_t rows() const { return num_item_heads * rows_per_head(); }
@@ -84,8 +90,8 @@ struct Item {
     const int64_t head = (kv_head + r / rows_per_head()) * group + r % group;
     return ((first_token + row_query(r)) * num_heads + head) * head_dim;
   }
-  int64_t last_key(int64_t r) const { return first_pos + row_query(r); }
-  int64_t num_keys() const { return first_pos + q_end; }  // the item's last query reads the most
+  int64_t last_key(int64_t r) const { return all_keys > 0 ? all_keys - 1 : first_pos + row_query(r); }
+  int64_t num_keys() const { return all_keys > 0 ? all_keys : first_pos + q_end; }  // the most any row reads
   // Offset of key j of the item's first KV head (the next heads follow, head_dim apart).
   int64_t key_offset(int64_t j) const {
     return table[j / block_size] * block_stride + (j % block_size) * token_stride + kv_head * head_dim;
@@ -447,7 +453,10 @@ std::pair<ItemFn<scalar_t, cache_t>, ItemFn<scalar_t, cache_t>> kernels_for(int6
 template <typename scalar_t, typename cache_t>
 void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_table,
-                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                   bool causal = true) {
+  // Not causal (encoder_attention): block_table is one int64 row 0 .. T - 1 over one-token
+  // blocks, and request r's row starts at its first token.
   const int64_t num_reqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
@@ -466,9 +475,9 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
   auto add = [&](int64_t r, int64_t h, int64_t num_h, int64_t q0, int64_t q1) {
     const int64_t n = qsl[r + 1] - qsl[r];
     items.push_back({q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
-                     v_cache.data_ptr<cache_t>(), table + r * block_table.stride(0), num_heads, group, head_dim,
-                     block_size, token_stride, block_size * token_stride, h, num_h, qsl[r], lens[r] - n, q0, q1,
-                     static_cast<float>(scale)});
+                     v_cache.data_ptr<cache_t>(), causal ? table + r * block_table.stride(0) : table + qsl[r],
+                     num_heads, group, head_dim, block_size, token_stride, block_size * token_stride, h, num_h,
+                     qsl[r], lens[r] - n, q0, q1, static_cast<float>(scale), causal ? 0 : int64_t{lens[r]}});
   };
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = qsl[r + 1] - qsl[r];
@@ -542,6 +551,49 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   AXON_ATTN_CASE(at::kHalf, c10::Half, at::kHalf, c10::Half)
 #undef AXON_ATTN_CASE
   TORCH_CHECK(false, "paged_attention: unsupported dtypes q ", qt, ", cache ", ct);
+}
+
+// q [T, H, D], k, v [T, KVH, D]: sequence r is rows query_start_loc[r] .. query_start_loc[r + 1]
+// (int32, from 0 to at most T; rows past its end are padding: zeros out); each of its queries
+// attends to every key of its own sequence.
+at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0,
+              "encoder_attention takes q [T, H, D] and k, v [T, KVH, D] with H a multiple of KVH; got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim ", q.size(2), " exceeds ", kMaxHeadDim);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "q, k and v must share a dtype");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1 &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) >= 1,
+              "query_start_loc must be a contiguous int32 vector");
+  const int64_t T = q.size(0), num_reqs = query_start_loc.size(0) - 1;
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_reqs] <= T, "query_start_loc must run from 0 to at most ", T);
+  at::Tensor lens = at::empty({num_reqs}, query_start_loc.options());
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    TORCH_CHECK(qsl[r + 1] >= qsl[r], "query_start_loc must not decrease");
+    lens.data_ptr<int32_t>()[r] = qsl[r + 1] - qsl[r];
+  }
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor kc = k.contiguous().view({T, 1, k.size(1), k.size(2)});
+  const at::Tensor vc = v.contiguous().view({T, 1, k.size(1), k.size(2)});
+  const at::Tensor tokens = at::arange(std::max<int64_t>(T, 1), query_start_loc.options().dtype(at::kLong));
+  at::Tensor out = at::empty_like(qc);
+  const int64_t n = qsl[num_reqs];
+  if (n < T) out.narrow(0, n, T - n).zero_();
+  const auto qt = qc.scalar_type();
+#define AXON_ENC_CASE(QT, QC)                                                      \
+  if (qt == QT) {                                                                   \
+    run_attention<QC, QC>(qc, out, kc, vc, tokens, query_start_loc, lens, scale, false); \
+    return out;                                                                     \
+  }
+  AXON_ENC_CASE(at::kFloat, float)
+  AXON_ENC_CASE(at::kBFloat16, c10::BFloat16)
+  AXON_ENC_CASE(at::kHalf, c10::Half)
+#undef AXON_ENC_CASE
+  TORCH_CHECK(false, "encoder_attention: unsupported dtype ", qt);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -658,6 +710,7 @@ TORCH_LIBRARY(axon_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, float scale) -> Tensor");
+  m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor query_start_loc, float scale) -> Tensor");
   m.def("set_generic(bool generic) -> ()");
   m.def(
       "set_attention_step(Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
@@ -668,6 +721,7 @@ TORCH_LIBRARY(axon_cpu, m) {
 
 TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("encoder_attention", &encoder_attention);
   m.impl("set_attention_step", &set_attention_step);
   m.impl("attention", &attention);
 }

@@ -182,6 +182,10 @@ def _register_fakes() -> None:
     def _(q, k, v, layer, scale):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("axon_cpu::encoder_attention")
+    def _(q, k, v, query_start_loc, scale):
+        return torch.empty_like(q)
+
     @torch.library.register_fake("axon_cpu::paged_attention")
     def _(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale):
         return torch.empty_like(q)

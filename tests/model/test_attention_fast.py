@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from axon.model.layers.attention import AttentionBackend
-from axon.model.layers.attention.backend import AttentionSpec, CommonAttentionMetadata
+from axon.model.layers.attention.backend import AttentionSpec, AttentionType, CommonAttentionMetadata
 from axon.model.layers.attention.cpu_flash import CpuFlashAttentionBackend
 from axon.model.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from axon.model.layers.attention.reference import ReferenceAttentionBackend
@@ -208,3 +208,40 @@ def test_each_step_builds_its_own_metadata(fast: AttentionBackend) -> None:
     out = [backend.forward(case.q, case.k_cache, case.v_cache, again, case.spec) for _ in range(2)]
     torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
     assert first is not again
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("gqa_ratio", "head_dim"), [(1, 32), (4, 64), (2, 24)])
+def test_encoder_sequences_attend_themselves_whole(
+    fast: AttentionBackend, dtype: torch.dtype, gqa_ratio: int, head_dim: int
+) -> None:
+    # BERT-style steps: sequences from 1 token to past a work item's query chunk, each attending
+    # to all of its own tokens and to no other (the reference: one unmasked SDPA per sequence).
+    rng = random.Random(11)
+    lens = [rng.randint(1, 90) for _ in range(9)] + [1, 70]
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    gen = torch.Generator().manual_seed(11)
+    kv_heads, pad_rows = 2, 5
+    q = torch.randn(qsl[-1] + pad_rows, kv_heads * gqa_ratio, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(qsl[-1] + pad_rows, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    spec = AttentionSpec(q.shape[1], kv_heads, head_dim, head_dim**-0.5, AttentionType.ENCODER_ONLY)
+    common = CommonAttentionMetadata(
+        num_actual_tokens=qsl[-1],
+        slot_mapping=torch.full((q.shape[0],), -1, dtype=torch.int64),
+        query_start_loc=qsl,
+        seq_lens=lens,
+        block_table=torch.zeros(len(lens), -(-max(lens) // 16), dtype=torch.int64),  # no cache: unread
+        block_size=16,
+    )
+    got = fast.forward_encoder(q, k, v, fast.build_metadata(common), spec)
+    want = torch.zeros_like(q)
+    for a, b in zip(qsl, qsl[1:]):
+        per_head = [x[a:b].float().transpose(0, 1) for x in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*per_head, scale=spec.scale, enable_gqa=True)
+        want[a:b] = out.transpose(0, 1).to(dtype)
+    tol = TOLERANCE[dtype]
+    assert got.shape == q.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert bool((got[qsl[-1] :] == 0).all()), "padding rows must be zeros"

@@ -107,12 +107,12 @@ def _bf16_layer(in_features: int, out_features: int, bias: bool, seed: int) -> n
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 17, 300])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(96, 200), (64, 64), (128, 16), (2, 130)], ids=str)
 def test_cpu_bf16_equals_f_linear(bf16_kernel: None, rows: int, bias: bool, shape: tuple[int, int]) -> None:
     # Column counts off the kernel's 64-column panels and 16-column blocks, row counts off its
-    # 4-row passes and past its 256-row chunks: every edge of the tiling.
+    # 6-row passes and past its 256-row chunks: every edge of the tiling.
     in_features, out_features = shape
     layer = _bf16_layer(in_features, out_features, bias, seed=rows * 31 + out_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
@@ -215,3 +215,17 @@ def test_stacked_errors_name_the_tensor() -> None:
     wrong = {**ckpt, "b_proj.weight": torch.zeros(3, 4)}
     with pytest.raises(ValueError, match=r"'b_proj.weight' has shape \(3, 4\), expected \(2, 4\)"):
         load_by_name(_Stacked(), wrong.items(), lambda n: n, stacked=STACKED)
+
+
+def test_cpu_bf16_rows_do_not_depend_on_their_batch(bf16_kernel: None) -> None:
+    # One reduction order per output element whatever the call's row count: a row's output is
+    # bit-identical alone, in any batch size and at any position (a request's logits must not
+    # depend on the requests batched with it).
+    layer = _bf16_layer(256, 320, True, seed=5)
+    packed = CpuBf16Linear(layer)
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.inference_mode():
+        whole = packed(x, float_out=True)
+        for start, size in [(0, 1), (7, 1), (3, 5), (250, 13), (100, 6), (0, 257)]:
+            part = packed(x[start : start + size], float_out=True)
+            assert torch.equal(part, whole[start : start + size]), (start, size)

@@ -75,6 +75,18 @@ class CpuFlashAttentionBackend(AttentionBackend):
     def end_step(self) -> None:
         torch.ops.axon_cpu.clear_attention_step()
 
+    def forward_encoder(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        metadata: CpuFlashMetadata,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zeros
+        """The paged kernels over the step's own k and v, every query reading its whole
+        sequence: no padding to the longest sequence, no mask."""
+        return torch.ops.axon_cpu.encoder_attention(q, k, v, metadata.query_start_loc, spec.scale)
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], num_tokens >= num_actual_tokens
