@@ -16,15 +16,21 @@
 // [tokens, heads, head_dim] step attends to all of its own tokens (bidirectional, BERT), its
 // keys read in place from the step's k and v (a "cache" of one-token blocks).
 //
-// Work items are (request, KV head, chunk of queries). The G query heads sharing a KV head are
-// rows of one item, so each key and value is widened to float32 once for all of them.
-// Accumulation is float32 for every input dtype. Two strategies:
+// Work items are (request, KV head, chunk of queries), or for decodes when there are enough of
+// them (request, every KV head): whole tokens, one contiguous run each. The G query heads
+// sharing a KV head are rows of one item, so each key and value is widened to float32 once for
+// all of them. Accumulation is float32 for every input dtype. Two strategies:
 //
-//   few rows (decodes, short segments)  three passes: every score of the item (one row per
-//       query head and query), softmax over whole rows, then the weighted sum of values.
-//   many rows (prefill chunks)           keys in tiles of 16 with flash attention's online
-//       softmax; scores accumulate as 16-wide vectors (q[d] broadcast against a transposed K
-//       tile), four rows at a time, so a loaded K vector serves four rows.
+//   many rows (every row by default)    keys in tiles of 16 counted from key 0, flash
+//       attention's online softmax per tile. A row's 16 scores are dot products (partial sums
+//       over d mod 16, then one fixed reduction network), its weighted values a sum in key
+//       order: the same operations in the same order for a row whatever else its item or
+//       step holds. So a token's numbers are the same alone or batched, after a prefix-cache
+//       hit, in a chunked prefill or recomputed after preemption (batch invariance).
+//   few rows (opt-out: AXON_BATCH_INVARIANT=0, set_batch_invariant(false))  for items of up
+//       to 16 rows: every score of the item, softmax over whole rows, then the weighted sum of
+//       values. Faster for large decode batches, but a row's result then depends on whether
+//       its request was a decode or a segment of a prefill.
 //
 // Both exist twice: with AVX-512 intrinsics for head dims that are multiples of 16 (the head
 // dim a template parameter, so every loop over it unrolls), and as plain loops for any other
@@ -40,9 +46,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -55,6 +59,8 @@ namespace {
 
 // Built with -ffast-math (so that plain loops vectorize std::exp): no infinities, so "no score
 // yet" is a finite number far below any real score.
+#define AXON_INLINE inline __attribute__((always_inline))
+
 constexpr float kNoScore = -1e30f;
 constexpr int64_t kTile = 16;         // keys per tile of the many-rows path
 constexpr int64_t kQueryChunk = 32;   // queries per work item: bounds the row buffers
@@ -62,6 +68,7 @@ constexpr int64_t kFewRows = 16;      // up to this many rows per item: the few-
 constexpr int64_t kMaxHeadDim = 512;
 
 std::atomic<bool> g_force_generic{false};
+std::atomic<bool> g_batch_invariant{true};
 
 template <typename T>
 inline float widen(T x) {
@@ -205,7 +212,7 @@ void few_rows_generic(const Item<scalar_t, cache_t>& it, std::vector<float>& scr
 
 template <typename scalar_t, typename cache_t>
 void many_rows_generic(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
-  const int64_t D = it.head_dim, rows = it.rows(), n = it.num_keys();
+  const int64_t D = it.head_dim, rows = it.rows(), n = it.num_keys(), per_head = it.rows_per_head();
   const OnlineSoftmaxScratch sc(scratch, rows, D);
   float *qf = sc.qf, *acc = sc.acc, *row_max = sc.row_max, *row_sum = sc.row_sum, *kt = sc.kt, *vt = sc.vt;
   load_rows(it, qf, acc);
@@ -214,35 +221,37 @@ void many_rows_generic(const Item<scalar_t, cache_t>& it, std::vector<float>& sc
   float scores[kTile];
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
     const int64_t count = std::min(kTile, n - j0);
-    std::fill(kt, kt + D * kTile, 0.0f);
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t off = it.key_offset(j0 + t);
-      for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = widen(it.k_cache[off + d]);
-      for (int64_t d = 0; d < D; ++d) vt[t * D + d] = widen(it.v_cache[off + d]);
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t valid = std::min(count, it.last_key(r) - j0 + 1);
-      if (valid <= 0) continue;
-      for (int64_t t = 0; t < kTile; ++t) scores[t] = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = qf[r * D + d];
-        for (int64_t t = 0; t < kTile; ++t) scores[t] += qd * kt[d * kTile + t];
+    for (int64_t h = 0; h < it.num_item_heads; ++h) {
+      std::fill(kt, kt + D * kTile, 0.0f);
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t off = it.key_offset(j0 + t) + h * D;
+        for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = widen(it.k_cache[off + d]);
+        for (int64_t d = 0; d < D; ++d) vt[t * D + d] = widen(it.v_cache[off + d]);
       }
-      float tile_max = kNoScore;
-      for (int64_t t = 0; t < valid; ++t) tile_max = std::max(tile_max, scores[t]);
-      const float new_max = std::max(row_max[r], tile_max);
-      const float correction = std::exp(row_max[r] - new_max);
-      float tile_sum = 0.0f;
-      for (int64_t t = 0; t < valid; ++t) {
-        scores[t] = std::exp(scores[t] - new_max);
-        tile_sum += scores[t];
-      }
-      row_max[r] = new_max;
-      row_sum[r] = row_sum[r] * correction + tile_sum;
-      float* ar = acc + r * D;
-      for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
-      for (int64_t t = 0; t < valid; ++t) {
-        for (int64_t d = 0; d < D; ++d) ar[d] += scores[t] * vt[t * D + d];
+      for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
+        const int64_t valid = std::min(count, it.last_key(r) - j0 + 1);
+        if (valid <= 0) continue;
+        for (int64_t t = 0; t < kTile; ++t) scores[t] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qf[r * D + d];
+          for (int64_t t = 0; t < kTile; ++t) scores[t] += qd * kt[d * kTile + t];
+        }
+        float tile_max = kNoScore;
+        for (int64_t t = 0; t < valid; ++t) tile_max = std::max(tile_max, scores[t]);
+        const float new_max = std::max(row_max[r], tile_max);
+        const float correction = std::exp(row_max[r] - new_max);
+        float tile_sum = 0.0f;
+        for (int64_t t = 0; t < valid; ++t) {
+          scores[t] = std::exp(scores[t] - new_max);
+          tile_sum += scores[t];
+        }
+        row_max[r] = new_max;
+        row_sum[r] = row_sum[r] * correction + tile_sum;
+        float* ar = acc + r * D;
+        for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
+        for (int64_t t = 0; t < valid; ++t) {
+          for (int64_t d = 0; d < D; ++d) ar[d] += scores[t] * vt[t * D + d];
+        }
       }
     }
   }
@@ -270,32 +279,6 @@ void softmax_rows(const Item<scalar_t, cache_t>& it, float* scores, int64_t num_
 // AVX-512, head dim D a multiple of 16 (NV vectors).
 
 #if defined(__AVX512F__)
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// e^x for x <= 0: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], 2^f by its Taylor series to
-// degree 7 (relative error below 2e-8 there); scalef makes 2^n and flushes huge negative n to 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 template <int D, typename scalar_t, typename cache_t>
 void few_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
@@ -352,69 +335,92 @@ void few_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scra
   store_rows(it, acc, row_sum);
 }
 
-// Scores of rows r .. r + R - 1 against the tile: R 16-wide vectors, each K vector loaded once.
-template <int D, int R>
-inline void tile_scores(const float* qf, const float* kt, __m512* s) {
-  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m512 k = _mm512_loadu_ps(kt + d * kTile);
-    for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * D + d]), k, s[r]);
+// One row's scores against a tile of 16 keys held as rows (kf[t][d], zero past the tile's
+// keys): lane t of the result is q . k_t. Each dot product is accumulated as 16 partial sums
+// (lane = d mod 16, chunks in order) and the 16 partial vectors are then reduced by one fixed
+// network (pairs of lanes, quads, then 128-bit lanes): the same operations in the same order
+// for every row, whatever else the call holds, and no transposed copy of K.
+template <int D>
+AXON_INLINE __m512 row_scores(const float* q, const float* kf) {
+  constexpr int NV = D / 16;
+  __m512 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  const auto dot = [&](const float* k) {
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(k));
+    for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[i], _mm512_load_ps(k + 16 * i), acc);
+    return acc;
+  };
+  // w[i], lane L: [k_2i's lanes 4L+0 and 4L+2, k_2i+1's, k_2i's 4L+1 and 4L+3, k_2i+1's], summed.
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = dot(kf + 2 * i * D), b = dot(kf + (2 * i + 1) * D);
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   }
+  // x[i], lane L: keys 4i .. 4i + 3, each summed over its 128-bit lane L.
+  __m512 x[4];
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  }
+  const __m512 p0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+  const __m512 p1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(p0, p1, 0x88), _mm512_shuffle_f32x4(p0, p1, 0xDD));
 }
 
 template <int D, typename scalar_t, typename cache_t>
 void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
   constexpr int NV = D / 16;
   constexpr int R = 4;  // rows per score block
-  const int64_t rows = it.rows(), n = it.num_keys();
-  const int64_t rows_pad = (rows + R - 1) / R * R;
-  const OnlineSoftmaxScratch sc(scratch, rows_pad, D);
-  float *qf = sc.qf, *acc = sc.acc, *row_max = sc.row_max, *row_sum = sc.row_sum, *kt = sc.kt, *vt = sc.vt;
+  const int64_t rows = it.rows(), n = it.num_keys(), per_head = it.rows_per_head();
+  const OnlineSoftmaxScratch sc(scratch, rows, D);
+  float *qf = sc.qf, *acc = sc.acc, *row_max = sc.row_max, *row_sum = sc.row_sum, *vt = sc.vt;
   load_rows(it, qf, acc);
-  std::fill(qf + rows * D, qf + rows_pad * D, 0.0f);
-  std::fill(row_max, row_max + rows_pad, kNoScore);
-  std::fill(row_sum, row_sum + rows_pad, 0.0f);
+  std::fill(row_max, row_max + rows, kNoScore);
+  std::fill(row_sum, row_sum + rows, 0.0f);
   alignas(64) float p[kTile];
+  alignas(64) float kf[kTile * D];
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
     const int64_t count = std::min(kTile, n - j0);
-    // Widen the tile: K transposed (kt[d][t]), V as rows; keys past count stay zero.
-    std::fill(kt, kt + D * kTile, 0.0f);
-    std::fill(vt, vt + D * kTile, 0.0f);
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t off = it.key_offset(j0 + t);
-      alignas(64) float kf[D];
-      for (int i = 0; i < NV; ++i) {
-        _mm512_store_ps(kf + 16 * i, load16(it.k_cache + off + 16 * i));
-        _mm512_storeu_ps(vt + t * D + 16 * i, load16(it.v_cache + off + 16 * i));
-      }
-      for (int d = 0; d < D; ++d) kt[d * kTile + t] = kf[d];
-    }
-    for (int64_t r0 = 0; r0 < rows; r0 += R) {
-      // Rows of a block are consecutive heads of at most two queries: the block is skipped
-      // only if even its last row may read none of the tile.
-      if (it.last_key(std::min(r0 + R, rows) - 1) < j0) continue;
-      __m512 s[R];
-      tile_scores<D, R>(qf + r0 * D, kt, s);
-      for (int r = 0; r < R && r0 + r < rows; ++r) {
-        const int64_t valid = std::min(count, it.last_key(r0 + r) - j0 + 1);
-        if (valid <= 0) continue;
-        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-        const __m512 sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kNoScore), s[r]);
-        const float new_max = std::max(row_max[r0 + r], _mm512_reduce_max_ps(sc));
-        const float correction = std::exp(row_max[r0 + r] - new_max);
-        const __m512 pv = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
-        row_max[r0 + r] = new_max;
-        row_sum[r0 + r] = row_sum[r0 + r] * correction + _mm512_reduce_add_ps(pv);
-        _mm512_store_ps(p, pv);
-        float* ar = acc + (r0 + r) * D;
-        __m512 a[NV];
-        const __m512 c = _mm512_set1_ps(correction);
-        for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * i), c);
-        for (int64_t u = 0; u < valid; ++u) {
-          const __m512 pu = _mm512_set1_ps(p[u]);
-          for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pu, _mm512_loadu_ps(vt + u * D + 16 * i), a[i]);
+    // The item's KV heads one after another within a tile: a token's heads are one run.
+    for (int64_t h = 0; h < it.num_item_heads; ++h) {
+      const int64_t h_begin = h * per_head, h_end = h_begin + per_head;
+      if (it.last_key(h_end - 1) < j0) continue;  // the head's latest query reads none of the tile
+      // Widen the tile: K and V as rows; keys past count are zero.
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t off = it.key_offset(j0 + t) + h * D;
+        for (int i = 0; i < NV; ++i) {
+          _mm512_store_ps(kf + t * D + 16 * i, load16(it.k_cache + off + 16 * i));
+          _mm512_storeu_ps(vt + t * D + 16 * i, load16(it.v_cache + off + 16 * i));
         }
-        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(ar + 16 * i, a[i]);
+      }
+      if (count < kTile) {
+        std::fill(kf + count * D, kf + kTile * D, 0.0f);
+        std::fill(vt + count * D, vt + kTile * D, 0.0f);
+      }
+      for (int64_t r0 = h_begin; r0 < h_end; r0 += R) {
+        if (it.last_key(std::min<int64_t>(r0 + R, h_end) - 1) < j0) continue;
+        __m512 s[R];
+        for (int r = 0; r < R && r0 + r < h_end; ++r) s[r] = row_scores<D>(qf + (r0 + r) * D, kf);
+        for (int r = 0; r < R && r0 + r < h_end; ++r) {
+          const int64_t valid = std::min(count, it.last_key(r0 + r) - j0 + 1);
+          if (valid <= 0) continue;
+          const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+          const __m512 sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kNoScore), s[r]);
+          const float new_max = std::max(row_max[r0 + r], _mm512_reduce_max_ps(sc));
+          const float correction = std::exp(row_max[r0 + r] - new_max);
+          const __m512 pv = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
+          row_max[r0 + r] = new_max;
+          row_sum[r0 + r] = row_sum[r0 + r] * correction + _mm512_reduce_add_ps(pv);
+          _mm512_store_ps(p, pv);
+          float* ar = acc + (r0 + r) * D;
+          __m512 a[NV];
+          const __m512 c = _mm512_set1_ps(correction);
+          for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * i), c);
+          for (int64_t u = 0; u < valid; ++u) {
+            const __m512 pu = _mm512_set1_ps(p[u]);
+            for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pu, _mm512_loadu_ps(vt + u * D + 16 * i), a[i]);
+          }
+          for (int i = 0; i < NV; ++i) _mm512_storeu_ps(ar + 16 * i, a[i]);
+        }
       }
     }
   }
@@ -467,6 +473,8 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
   // Few-row requests (decodes, short segments) read whole tokens (every KV head at once: one
   // contiguous run per token) when there are enough of them to keep every thread busy; else,
   // and for prefill chunks, one item per KV head.
+  // Batch-invariant by default: every item on the many-rows path (see the top of this file).
+  const bool invariant = g_batch_invariant.load();
   const int64_t threads = at::get_num_threads();
   int64_t num_few = 0;
   for (int64_t r = 0; r < num_reqs; ++r) num_few += (qsl[r + 1] - qsl[r]) * group <= kFewRows;
@@ -494,7 +502,7 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
-      (items[i].rows_per_head() <= kFewRows ? few_rows : many_rows)(items[i], scratch);
+      (!invariant && items[i].rows_per_head() <= kFewRows ? few_rows : many_rows)(items[i], scratch);
     }
   });
 }
@@ -650,6 +658,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 }
 
 void set_generic(bool generic) { g_force_generic.store(generic); }
+void set_batch_invariant(bool invariant) { g_batch_invariant.store(invariant); }
 
 // The step a model's attention layers run in: set once per forward by the model runner, read
 // by every layer's ``attention`` call. Per thread, so a forward on one thread never sees another
@@ -712,6 +721,7 @@ TORCH_LIBRARY(axon_cpu, m) {
       "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, float scale) -> Tensor");
   m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor query_start_loc, float scale) -> Tensor");
   m.def("set_generic(bool generic) -> ()");
+  m.def("set_batch_invariant(bool invariant) -> ()");
   m.def(
       "set_attention_step(Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
       "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens) -> ()");
@@ -728,6 +738,7 @@ TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {
   m.impl("set_generic", &set_generic);
+  m.impl("set_batch_invariant", &set_batch_invariant);
   m.impl("clear_attention_step", &clear_attention_step);
 }
 

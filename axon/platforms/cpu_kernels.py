@@ -89,9 +89,13 @@ def _compiler_version(compiler: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else compiler
 
 
+def _headers() -> list[str]:
+    return sorted(os.path.join(SOURCE_DIR, f) for f in os.listdir(SOURCE_DIR) if f.endswith(".h"))
+
+
 def build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    for path in _sources():
+    for path in _sources() + _headers():
         with open(path, "rb") as f:
             h.update(os.path.basename(path).encode() + b"\0" + f.read())
     for part in (
@@ -171,6 +175,11 @@ def cpu_kernels_loaded() -> bool:
     return _loaded_path is not None
 
 
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether a layer given ``x`` runs axon's CPU kernel (x on the CPU, the kernels loaded)."""
+    return x.device.type == "cpu" and _loaded_path is not None
+
+
 def _register_fakes() -> None:
     """Shapes of the ops' outputs, for tracing them into compiled graphs."""
 
@@ -185,6 +194,22 @@ def _register_fakes() -> None:
     @torch.library.register_fake("axon_cpu::encoder_attention")
     def _(q, k, v, query_start_loc, scale):
         return torch.empty_like(q)
+
+    @torch.library.register_fake("axon_cpu::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @torch.library.register_fake("axon_cpu::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @torch.library.register_fake("axon_cpu::silu_and_mul")
+    def _(gate_up):
+        return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    @torch.library.register_fake("axon_cpu::rotary_neox")
+    def _(positions, q, k, cos, sin):
+        return q.new_empty(q.shape), k.new_empty(k.shape)
 
     @torch.library.register_fake("axon_cpu::paged_attention")
     def _(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale):

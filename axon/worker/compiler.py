@@ -191,12 +191,20 @@ def _skip_guard_eval() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+_graphs_in_process = 0  # buckets of every engine this process has built
+
+
 def _configure_torch_compile(cache_dir: str, num_graphs: int) -> None:
+    global _graphs_in_process
     os.makedirs(cache_dir, exist_ok=True)
     # Inductor reads its cache root from the environment whenever it looks one up.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    # Dynamo counts graphs per code object across the process: a second engine's model runs
+    # the same forward code, so the limit covers every engine built here, not just this one
+    # (past it, Dynamo silently runs the forward eagerly).
+    _graphs_in_process += num_graphs
     dynamo = torch._dynamo.config
     limit_name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo, limit_name, max(getattr(dynamo, limit_name), num_graphs + 2))
+    setattr(dynamo, limit_name, max(getattr(dynamo, limit_name), _graphs_in_process + 2))
     if hasattr(dynamo, "accumulated_recompile_limit"):
-        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * num_graphs)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * _graphs_in_process)

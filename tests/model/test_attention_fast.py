@@ -98,9 +98,10 @@ def run(backend: AttentionBackend, case: Case) -> torch.Tensor:
     return backend.forward(case.q, case.k_cache, case.v_cache, metadata, case.spec)
 
 
-@pytest.fixture(params=["cpu_paged", "cpu_flash", "cpu_flash_generic"])
+@pytest.fixture(params=["cpu_paged", "cpu_flash", "cpu_flash_generic", "cpu_flash_few_rows"])
 def fast(request: pytest.FixtureRequest, kernel_cache_root: str):
-    """The backend under test; every test below runs once for each."""
+    """The backend under test; every test below runs once for each. ``cpu_flash_few_rows``: the
+    opt-out from batch invariance (AXON_BATCH_INVARIANT=0), short items on the few-rows path."""
     if request.param == "cpu_paged":
         yield CpuPagedAttentionBackend()
         return
@@ -108,10 +109,12 @@ def fast(request: pytest.FixtureRequest, kernel_cache_root: str):
         pytest.skip("no C++ compiler: cpu_flash cannot be built here")
     backend = CpuFlashAttentionBackend(kernel_cache_root)
     torch.ops.axon_cpu.set_generic(request.param == "cpu_flash_generic")
+    torch.ops.axon_cpu.set_batch_invariant(request.param != "cpu_flash_few_rows")
     try:
         yield backend
     finally:
         torch.ops.axon_cpu.set_generic(False)
+        torch.ops.axon_cpu.set_batch_invariant(True)
 
 
 def check(fast: object, case: Case) -> None:

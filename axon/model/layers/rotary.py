@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from axon.platforms.cpu_kernels import use_cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
@@ -78,6 +80,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, H, D]; k [T, KVH, D]
+        if use_cpu_kernels(q):
+            return torch.ops.axon_cpu.rotary_neox(positions, q, k, self.cos_cached, self.sin_cached)
         cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

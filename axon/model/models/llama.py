@@ -21,6 +21,7 @@ from axon.model.layers.linear import MergedLinear
 from axon.model.layers.norm import RMSNorm
 from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
 from axon.model.models.weights import load_by_name
+from axon.platforms.cpu_kernels import use_cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_cpu_kernels(gate_up):
+            return self.down_proj(torch.ops.axon_cpu.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -124,9 +128,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried beside each sublayer's output and added inside the
+        # next norm (vLLM's layout): x + residual, then its norm, in one fused op.
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -139,10 +151,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions [T] -> hidden [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -10,6 +10,8 @@ softmax, accumulated in float32. It needs the kernels built by ``axon.platforms.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,6 +50,9 @@ class CpuFlashAttentionBackend(AttentionBackend):
                 "attention_backend 'cpu_flash' needs axon's C++ CPU kernels, which could not be built "
                 "here (see the warning above); use 'cpu_paged'"
             )
+        # Batch-invariant attention (a row's arithmetic never depends on its step's other rows):
+        # on by default; AXON_BATCH_INVARIANT=0 lets decodes take the few-rows path instead.
+        torch.ops.axon_cpu.set_batch_invariant(os.environ.get("AXON_BATCH_INVARIANT", "1") != "0")
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuFlashMetadata:
         return CpuFlashMetadata(common, *common.length_tensors())
