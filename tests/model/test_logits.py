@@ -44,6 +44,23 @@ def test_tiny_family_logits_match_transformers(family: str, linear_backend: str,
     torch.testing.assert_close(segmented, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torch_pointwise_layers_match_transformers(family: str, tiny_model_dir, monkeypatch) -> None:
+    # Where axon's C++ kernels are not loaded (no compiler; CUDA), norms, rotary and the
+    # activation run in torch: that path against the oracle too.
+    import axon.model.layers.norm
+    import axon.model.layers.rotary
+    import axon.model.models.llama
+
+    for module in (axon.model.layers.norm, axon.model.layers.rotary, axon.model.models.llama):
+        monkeypatch.setattr(module, "use_cpu_kernels", lambda x: False)
+    folder = tiny_model_dir(family)
+    token_ids = torch.randint(0, 512, (29,), generator=torch.Generator().manual_seed(2)).tolist()
+    model = _axon_model(folder, linear_backend="onednn")
+    got = teacher_forced_logits(model, token_ids, block_size=4, segment=6)
+    torch.testing.assert_close(got, _oracle_logits(folder, token_ids), atol=1e-4, rtol=1e-4)
+
+
 def test_llama3_rope_scaling_is_applied(tiny_model_dir) -> None:
     """Past the original context the scaled and unscaled models must differ (the test above
     would pass vacuously if scaling were ignored by both)."""
