@@ -1,9 +1,9 @@
-"""Side by side: axon, vLLM's CPU build and transformers on the same fixed workloads.
+"""Side by side: axon, vLLM's CPU build, transformers and OpenVINO GenAI on the same fixed workloads.
 
 Each engine runs each workload in its own subprocess (so memory is freed and one engine cannot
 disturb another): load once, one warm-up, then ``--runs`` timed runs; the median is reported in
-ONE table with the ratios axon/vllm and axon/transformers and, for the batch-16 workloads, the
-fraction of the memory-bandwidth floor each engine reaches.
+ONE table with the ratios axon/vllm, axon/transformers and axon/openvino and, for the batch-16
+workloads, the fraction of the memory-bandwidth floor each engine reaches.
 
     python -m benchmarks.vs_peers                                     # everything, ~20 minutes
     python -m benchmarks.vs_peers --workloads a --engines axon,transformers --runs 1 \\
@@ -11,7 +11,9 @@ fraction of the memory-bandwidth floor each engine reaches.
     python -m benchmarks.vs_peers --workloads a,b --axon-args '{"enforce_eager": true}'
 
 vLLM runs ``LLM.generate`` from its own virtual environment (``--vllm-python``), through this same
-file as the driver, with the environment of ``benchmarks.common.vllm_cpu_env``.
+file as the driver, with the environment of ``benchmarks.common.vllm_cpu_env``. OpenVINO GenAI runs
+the same way from ``--openvino-python``, on an IR exported once per model with that venv's
+``optimum-cli`` and kept under ``<bench cache root>/openvino``.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repo root (axon, benchmarks) importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Only the standard library and benchmarks.common at import time: vLLM's Python runs this file too.
+# Only the standard library and benchmarks.common at import time: vLLM's and OpenVINO's Pythons
+# run this file too.
 from benchmarks.common import (
     ThroughputResult,
+    bench_cache_root,
     markdown_table,
     model_folder,
     random_prompts,
@@ -50,8 +54,16 @@ THIS_FILE = os.path.abspath(__file__)
 REPO_ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
 PROMPT_SEED = 0
 MAX_MODEL_LEN = 2048
-ENGINE_NAMES = ("axon", "vllm", "transformers")
+ENGINE_NAMES = ("axon", "vllm", "transformers", "openvino")
 FIRST_TOKEN_MARK = "VS_PEERS_FIRST_TOKEN"
+# --dtype -> OpenVINO's precision name, for the CPU plugin's inference and KV-cache precision.
+OPENVINO_PRECISIONS = {"bfloat16": "bf16", "float16": "f16", "half": "f16", "float32": "f32", "float": "f32"}
+OPENVINO_VENV_HELP = (
+    "create it with: python -m venv /tmp/ov-venv && /tmp/ov-venv/bin/pip install torch==2.13.0 && "
+    "echo torch==2.13.0+cpu > /tmp/ov-torch.txt && PIP_CONSTRAINT=/tmp/ov-torch.txt "
+    "/tmp/ov-venv/bin/pip install openvino-genai 'optimum-intel[openvino]' && "
+    "/tmp/ov-venv/bin/pip uninstall -y torchvision (see benchmarks/README.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +80,8 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     "a": Workload("a", "tiny", "throughput", 16, 128, 128, ENGINE_NAMES),
     "b": Workload("b", "smollm2", "throughput", 16, 128, 128, ENGINE_NAMES),
-    "c": Workload("c", "smollm2", "throughput", 64, 512, 128, ("axon", "vllm")),
-    "d": Workload("d", "smollm2", "latency", 1, 128, 256, ("axon", "vllm")),
+    "c": Workload("c", "smollm2", "throughput", 64, 512, 128, ("axon", "vllm", "openvino")),
+    "d": Workload("d", "smollm2", "latency", 1, 128, 256, ("axon", "vllm", "openvino")),
     "e": Workload("e", "smollm2", "startup", 1, 128, 1, ("axon", "vllm")),
 }
 
@@ -97,11 +109,60 @@ class VllmEngine:
         return [len(o.outputs[0].token_ids) for o in outputs]
 
 
+class OpenvinoEngine:
+    """OpenVINO GenAI on the CPU, from an exported IR folder: ``ContinuousBatchingPipeline`` for the
+    batch workloads (a scheduler like axon's and vLLM's), ``LLMPipeline`` for one request alone
+    (the API OpenVINO offers for a single stream)."""
+
+    def __init__(self, folder: str, dtype: str, max_num_seqs: int | None, kind: str) -> None:
+        import openvino as ov
+        import openvino_genai as ov_genai
+
+        if dtype not in OPENVINO_PRECISIONS:
+            raise ValueError(f"--dtype {dtype!r}: OpenVINO runs {', '.join(OPENVINO_PRECISIONS)}")
+        precision = OPENVINO_PRECISIONS[dtype]
+        # The fp16 IR asks for an f16 KV cache (its rt_info), and the CPU plugin computes in bf16
+        # only where it finds AVX-512 BF16: ask for --dtype in both, as the other engines run.
+        props = {"INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision}
+        scheduler = ov_genai.SchedulerConfig()
+        scheduler.enable_prefix_caching = False  # the timed runs repeat the warm-up's prompts
+        if max_num_seqs is not None:
+            scheduler.max_num_seqs = max_num_seqs
+        self.single = kind == "latency"
+        if self.single:
+            scheduler.max_num_batched_tokens = MAX_MODEL_LEN  # LLMPipeline's own default: one prefill
+            self.pipe = ov_genai.LLMPipeline(folder, "CPU", scheduler_config=scheduler, **props)
+        else:
+            self.pipe = ov_genai.ContinuousBatchingPipeline(folder, scheduler, "CPU", props)
+        # The plugin ignores a precision hint the CPU cannot run: say what ran, not what was asked.
+        cap = {"bf16": "BF16", "f16": "FP16", "f32": "FP32"}[precision]
+        supported = cap in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+        ran = precision if supported else f"the plugin's default ({precision} asked; the CPU lacks {cap})"
+        version = ov.get_version().split("-")[0]
+        self.note = f"OpenVINO {version}, {os.path.basename(folder)} IR, compute and KV cache {ran}"
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[int]:
+        import numpy as np
+        import openvino as ov
+        import openvino_genai as ov_genai
+
+        config = ov_genai.GenerationConfig(
+            max_new_tokens=output_len, min_new_tokens=output_len, ignore_eos=True, do_sample=False
+        )
+        inputs = [ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts]  # [1, len] each
+        if self.single:
+            return [len(self.pipe.generate(i, config).tokens[0]) for i in inputs]
+        results = self.pipe.generate(inputs, [config] * len(inputs))
+        return [len(r.m_generation_ids[0]) for r in results]
+
+
 def make_engine(spec: dict[str, Any]) -> Any:
     args = (spec["folder"], spec["dtype"], spec["max_num_seqs"], spec["axon_args"])
     if spec["engine"] == "vllm":
         return VllmEngine(*args)
-    # Imported here: vLLM's Python runs this file too, and has no axon.
+    if spec["engine"] == "openvino":
+        return OpenvinoEngine(*args[:3], spec["kind"])
+    # Imported here: vLLM's and OpenVINO's Pythons run this file too, and have no axon.
     from benchmarks.offline_throughput import AxonEngine, TransformersEngine
 
     if spec["engine"] == "axon":
@@ -115,7 +176,7 @@ def spec_prompts(spec: dict[str, Any]) -> list[list[int]]:
 
 
 def worker_main(spec_path: str) -> None:
-    """Load, warm up, time; write {load_s, run_s, ttft_s, lengths_ok} to spec["out"]."""
+    """Load, warm up, time; write {load_s, run_s, ttft_s, note, lengths_ok} to spec["out"]."""
     with open(spec_path) as f:
         spec = json.load(f)
     prompts, output_len = spec_prompts(spec), spec["output_len"]
@@ -136,6 +197,7 @@ def worker_main(spec_path: str) -> None:
             ttft_s.append(time_call(lambda: engine.generate(prompts, 1)))
         run_s.append(time_call(lambda: engine.generate(prompts, output_len)))
     result = {"load_s": load_s, "settle_s": settle_s, "run_s": run_s, "ttft_s": ttft_s}
+    result["note"] = getattr(engine, "note", "")  # OpenVINO: the precision that ran
     result["lengths"] = sorted(set(lengths))
     result["lengths_ok"] = lengths_ok
     with open(spec["out"], "w") as f:
@@ -160,10 +222,11 @@ class EngineRun:
     run_s: list[float] = field(default_factory=list)  # startup: [cold, warm] for axon, [one] for vllm
     ttft_s: list[float] = field(default_factory=list)
     error: str | None = None
+    note: str = ""  # what the engine says about how it ran (OpenVINO: its precision)
 
 
 def engine_python(engine: str, args: argparse.Namespace) -> str:
-    return args.vllm_python if engine == "vllm" else sys.executable
+    return {"vllm": args.vllm_python, "openvino": args.openvino_python}.get(engine, sys.executable)
 
 
 def engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
@@ -186,8 +249,43 @@ def make_spec(w: Workload, engine: str, args: argparse.Namespace) -> dict[str, A
     }
 
 
+def openvino_ir(model: str, hf_folder: str, args: argparse.Namespace) -> str:
+    """The model's OpenVINO IR folder, exported once with the venv's ``optimum-cli`` (fp32 weights
+    for an fp32 run, else fp16) and reused; raises RuntimeError naming what to fix."""
+    cli = os.path.join(os.path.dirname(args.openvino_python), "optimum-cli")
+    for tool in (args.openvino_python, cli):
+        if not os.access(tool, os.X_OK):
+            raise RuntimeError(f"--openvino-python: {tool!r} is not an executable; {OPENVINO_VENV_HELP}")
+    weight_format = "fp32" if OPENVINO_PRECISIONS.get(args.dtype) == "f32" else "fp16"
+    folder = os.path.join(bench_cache_root(), "openvino", f"{model}-{weight_format}")
+    if os.path.isfile(os.path.join(folder, "openvino_model.xml")):
+        return folder
+    # Export to a temporary folder and rename, so an interrupted export never looks finished.
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log_path = os.path.join(args.log_dir, f"openvino-export-{model}-{weight_format}.log")
+    cmd = [cli, "export", "openvino", "--model", hf_folder, "--task", "text-generation-with-past"]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [*cmd, "--weight-format", weight_format, tmp], stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT, timeout=args.worker_timeout, check=False,
+        )  # fmt: skip
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"optimum-cli export failed (exit code {proc.returncode}); see {log_path}")
+    os.replace(tmp, folder)
+    print(f"[openvino] exported {model} to {folder} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return folder
+
+
 def run_worker(w: Workload, engine: str, args: argparse.Namespace) -> EngineRun:
     spec = make_spec(w, engine, args)
+    if engine == "openvino":
+        try:
+            spec["folder"] = openvino_ir(w.model, spec["folder"], args)  # same config.json, same vocab
+        except RuntimeError as e:
+            return EngineRun(w.name, engine, error=str(e))
     stem = os.path.join(args.log_dir, f"{w.name}-{engine}")
     spec["out"] = f"{stem}.result.json"
     with open(f"{stem}.spec.json", "w") as f:
@@ -206,7 +304,7 @@ def run_worker(w: Workload, engine: str, args: argparse.Namespace) -> EngineRun:
         out = json.load(f)
     if not out["lengths_ok"]:
         return EngineRun(w.name, engine, error=f"expected {w.output_len} new tokens, got {out['lengths']}")
-    return EngineRun(w.name, engine, out["load_s"], out["run_s"], out["ttft_s"])
+    return EngineRun(w.name, engine, out["load_s"], out["run_s"], out["ttft_s"], note=out["note"])
 
 
 def time_first_token(
@@ -369,8 +467,7 @@ TABLE_HEADER = [
     "workload",
     "metric",
     *ENGINE_NAMES,
-    "axon/vllm",
-    "axon/transformers",
+    *(f"axon/{e}" for e in ENGINE_NAMES[1:]),
     "bandwidth floor: step, share reached",
     "timed runs s",
 ]
@@ -388,9 +485,7 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         runs = "; ".join(f"{e} " + "/".join(f"{t:.2f}" for t in ts) for e, ts in r.runs.items())
         engines = [cell(r.values.get(e)) for e in ENGINE_NAMES]
-        out.append(
-            [r.workload, r.metric, *engines, ratio(r, "vllm"), ratio(r, "transformers"), r.floor, runs]
-        )
+        out.append([r.workload, r.metric, *engines, *(ratio(r, e) for e in ENGINE_NAMES[1:]), r.floor, runs])
     return markdown_table(TABLE_HEADER, out)
 
 
@@ -411,6 +506,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="extra LLM(...) options for axon, as JSON: '{\"enforce_eager\": true}'",
     )
     p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    p.add_argument(
+        "--openvino-python",
+        default="/tmp/ov-venv/bin/python",
+        help="Python of a venv with openvino-genai and optimum-intel[openvino] (benchmarks/README.md)",
+    )
     for flag in ("--num-prompts", "--input-len", "--output-len"):
         p.add_argument(
             flag, type=int, default=None, help="override every chosen workload's (for quick tries)"
@@ -486,7 +586,8 @@ def bench_workload(w: Workload, args: argparse.Namespace) -> dict[str, EngineRun
             runs[engine] = EngineRun(w.name, engine, error=f"timed out after {e.timeout:.0f} s")
         r = runs[engine]
         status = r.error or f"runs {'/'.join(f'{t:.2f}' for t in r.run_s)} s"
-        print(f"[{w.name}/{engine}] {status} ({time.perf_counter() - start:.0f} s)", flush=True)
+        note = f"; {r.note}" if r.note else ""
+        print(f"[{w.name}/{engine}] {status} ({time.perf_counter() - start:.0f} s){note}", flush=True)
     return runs
 
 
