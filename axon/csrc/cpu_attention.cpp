@@ -57,10 +57,10 @@
 namespace axon_cpu {
 namespace {
 
-// Built with -ffast-math (so that plain loops vectorize std::exp): no infinities, so "no score
-// yet" is a finite number far below any real score.
 #define AXON_INLINE inline __attribute__((always_inline))
 
+// Built with -ffast-math (so that plain loops vectorize std::exp): no infinities, so "no score
+// yet" is a finite number far below any real score.
 constexpr float kNoScore = -1e30f;
 constexpr int64_t kTile = 16;         // keys per tile of the many-rows path
 constexpr int64_t kQueryChunk = 32;   // queries per work item: bounds the row buffers
@@ -69,11 +69,6 @@ constexpr int64_t kMaxHeadDim = 512;
 
 std::atomic<bool> g_force_generic{false};
 std::atomic<bool> g_batch_invariant{true};
-
-template <typename T>
-inline float widen(T x) {
-  return static_cast<float>(x);
-}
 
 // What one work item reads and writes, resolved from the step's metadata: queries
 // q_begin .. q_end of one request, for KV heads kv_head .. kv_head + num_item_heads.
@@ -369,7 +364,6 @@ AXON_INLINE __m512 row_scores(const float* q, const float* kf) {
 template <int D, typename scalar_t, typename cache_t>
 void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
   constexpr int NV = D / 16;
-  constexpr int R = 4;  // rows per score block
   const int64_t rows = it.rows(), n = it.num_keys(), per_head = it.rows_per_head();
   const OnlineSoftmaxScratch sc(scratch, rows, D);
   float *qf = sc.qf, *acc = sc.acc, *row_max = sc.row_max, *row_sum = sc.row_sum, *vt = sc.vt;
@@ -396,31 +390,26 @@ void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scr
         std::fill(kf + count * D, kf + kTile * D, 0.0f);
         std::fill(vt + count * D, vt + kTile * D, 0.0f);
       }
-      for (int64_t r0 = h_begin; r0 < h_end; r0 += R) {
-        if (it.last_key(std::min<int64_t>(r0 + R, h_end) - 1) < j0) continue;
-        __m512 s[R];
-        for (int r = 0; r < R && r0 + r < h_end; ++r) s[r] = row_scores<D>(qf + (r0 + r) * D, kf);
-        for (int r = 0; r < R && r0 + r < h_end; ++r) {
-          const int64_t valid = std::min(count, it.last_key(r0 + r) - j0 + 1);
-          if (valid <= 0) continue;
-          const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-          const __m512 sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kNoScore), s[r]);
-          const float new_max = std::max(row_max[r0 + r], _mm512_reduce_max_ps(sc));
-          const float correction = std::exp(row_max[r0 + r] - new_max);
-          const __m512 pv = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
-          row_max[r0 + r] = new_max;
-          row_sum[r0 + r] = row_sum[r0 + r] * correction + _mm512_reduce_add_ps(pv);
-          _mm512_store_ps(p, pv);
-          float* ar = acc + (r0 + r) * D;
-          __m512 a[NV];
-          const __m512 c = _mm512_set1_ps(correction);
-          for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * i), c);
-          for (int64_t u = 0; u < valid; ++u) {
-            const __m512 pu = _mm512_set1_ps(p[u]);
-            for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pu, _mm512_loadu_ps(vt + u * D + 16 * i), a[i]);
-          }
-          for (int i = 0; i < NV; ++i) _mm512_storeu_ps(ar + 16 * i, a[i]);
+      for (int64_t r = h_begin; r < h_end; ++r) {
+        const int64_t valid = std::min(count, it.last_key(r) - j0 + 1);
+        if (valid <= 0) continue;
+        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+        const __m512 sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kNoScore), row_scores<D>(qf + r * D, kf));
+        const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(sc));
+        const float correction = std::exp(row_max[r] - new_max);
+        const __m512 pv = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
+        row_max[r] = new_max;
+        row_sum[r] = row_sum[r] * correction + _mm512_reduce_add_ps(pv);
+        _mm512_store_ps(p, pv);
+        float* ar = acc + r * D;
+        __m512 a[NV];
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * i), c);
+        for (int64_t u = 0; u < valid; ++u) {
+          const __m512 pu = _mm512_set1_ps(p[u]);
+          for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pu, _mm512_loadu_ps(vt + u * D + 16 * i), a[i]);
         }
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(ar + 16 * i, a[i]);
       }
     }
   }

@@ -16,8 +16,7 @@
 //
 // The norms round the normalized row before the weight multiplies it, as Hugging Face's
 // RMSNorm does (``weight * h.to(dtype)``). Each exists with AVX-512 (any width: masked tails) and
-// as plain loops; ``set_generic`` (in cpu_attention.cpp's tests' hands) does not apply here, the
-// CPU alone chooses.
+// as plain loops, chosen when the library is built, by the CPU's flags.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,10 +38,6 @@ namespace {
 // Rows per parallel task: pointwise rows are short, so small batches run on one thread.
 constexpr int64_t kRowGrain = 16;
 
-template <typename T>
-inline float widen(T x) {
-  return static_cast<float>(x);
-}
 template <typename T>
 inline float rounded(float x) {
   return static_cast<float>(static_cast<T>(x));

@@ -19,6 +19,11 @@
 
 namespace axon_cpu {
 
+template <typename T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+
 #if defined(__AVX512F__)
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

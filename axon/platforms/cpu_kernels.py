@@ -177,7 +177,7 @@ def cpu_kernels_loaded() -> bool:
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:
     """Whether a layer given ``x`` runs axon's CPU kernel (x on the CPU, the kernels loaded)."""
-    return x.device.type == "cpu" and _loaded_path is not None
+    return x.device.type == "cpu" and cpu_kernels_loaded()
 
 
 def _register_fakes() -> None:
