@@ -53,7 +53,9 @@ def determinism(setting: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="a,b,c,d")
-    p.add_argument("--rounds", type=int, default=2, help="times each setting runs each workload (alternating)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="times each setting runs each workload (alternating)"
+    )
     p.add_argument("--runs", type=int, default=3, help="timed runs per round after one warm-up (vs_peers')")
     args = p.parse_args()
     peers_args = vs_peers.parse_args(
@@ -70,7 +72,9 @@ def main() -> None:
                 if runs["axon"].error:
                     raise SystemExit(f"{w.name} ({setting}): {runs['axon'].error}")
                 for row in vs_peers.workload_rows(w, runs, None):
-                    values.setdefault((row.workload, row.metric), {}).setdefault(setting, []).append(row.values["axon"])
+                    values.setdefault((row.workload, row.metric), {}).setdefault(setting, []).append(
+                        row.values["axon"]
+                    )
                     print(f"{row.workload} | {row.metric} | {setting} {row.values['axon']:.2f}", flush=True)
     os.environ.pop("AXON_BATCH_INVARIANT")
     rows = []
@@ -80,12 +84,29 @@ def main() -> None:
         cost = (few / inv - 1) if higher_better else (inv / few - 1)
         rows.append([workload, metric, f"{inv:,.2f}", f"{few:,.2f}", f"{cost:+.1%}"])
     print()
-    print(markdown_table(["workload", "metric", "invariant (default)", "few-rows (AXON_BATCH_INVARIANT=0)", "cost of invariance"], rows))
+    print(
+        markdown_table(
+            [
+                "workload",
+                "metric",
+                "invariant (default)",
+                "few-rows (AXON_BATCH_INVARIANT=0)",
+                "cost of invariance",
+            ],
+            rows,
+        )
+    )
     print()
-    print(markdown_table(
-        ["setting", "24 prompts: alone == all at once (exact logprobs)", "alone == after a prefix-cache hit"],
-        [[s, *determinism(s).split()] for s in SETTINGS],
-    ))
+    print(
+        markdown_table(
+            [
+                "setting",
+                "24 prompts: alone == all at once (exact logprobs)",
+                "alone == after a prefix-cache hit",
+            ],
+            [[s, *determinism(s).split()] for s in SETTINGS],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -201,7 +201,9 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("axon_cpu::add_rms_norm")
     def _(x, residual, weight, eps):
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(
+            x.shape, dtype=x.dtype, device=x.device
+        )
 
     @torch.library.register_fake("axon_cpu::silu_and_mul")
     def _(gate_up):

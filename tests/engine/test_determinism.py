@@ -16,7 +16,7 @@ import pytest
 
 from axon import LLM, SamplingParams
 
-COMMON = dict(dtype="bfloat16", max_model_len=256, block_size=16, seed=0)
+COMMON = {"dtype": "bfloat16", "max_model_len": 256, "block_size": 16, "seed": 0}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
 
 
@@ -36,7 +36,9 @@ def _prompt(rng: random.Random, lo: int, hi: int) -> list[int]:
 def _companion_params(rng: random.Random) -> SamplingParams:
     if rng.random() < 0.5:
         return SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 30), ignore_eos=True)
-    return SamplingParams(temperature=1.0, seed=rng.randrange(1000), max_tokens=rng.randint(1, 30), ignore_eos=True)
+    return SamplingParams(
+        temperature=1.0, seed=rng.randrange(1000), max_tokens=rng.randint(1, 30), ignore_eos=True
+    )
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "smollm2"])
@@ -67,7 +69,7 @@ def test_batched_with_random_companions_and_after_prefix_hits(model: str, target
         companions = [_prompt(rng, 1, 150) for _ in range(n)]
         order = list(range(len(targets) + n))
         rng.shuffle(order)
-        prompts = (targets + companions)
+        prompts = targets + companions
         params = [GREEDY] * len(targets) + [_companion_params(rng) for _ in companions]
         got = _results(llm, [prompts[i] for i in order], [params[i] for i in order])
         by_index = dict(zip(order, got))
@@ -84,8 +86,12 @@ def test_preempted_and_async(model: str, targets, alone) -> None:
     # A pool of ~3 sequences with optimistic admission: running requests are preempted and
     # their tokens recomputed as prefills; steps pipelined (async scheduling).
     llm = LLM(
-        model=model, num_gpu_blocks_override=24, admission_kv_limit=False, async_scheduling=True,
-        max_num_batched_tokens=64, **COMMON,
+        model=model,
+        num_gpu_blocks_override=24,
+        admission_kv_limit=False,
+        async_scheduling=True,
+        max_num_batched_tokens=64,
+        **COMMON,
     )
     rng = random.Random(5)
     companions = [_prompt(rng, 60, 120) for _ in range(5)]
@@ -99,8 +105,14 @@ def test_compiled_graphs_equal_eager_steps(model: str, smollm2_path: str, target
     if model == smollm2_path:
         pytest.skip("compiling SmolLM2's buckets takes a minute; the tiny models' graphs run the same ops")
     llm = LLM(
-        model=model, enforce_eager=False, bucket_compile="warmup", cache_root=str(tmp_path),
-        max_num_seqs=8, num_seqs_buckets=[8], max_num_batched_tokens=64, num_batched_tokens_buckets=[16, 64],
+        model=model,
+        enforce_eager=False,
+        bucket_compile="warmup",
+        cache_root=str(tmp_path),
+        max_num_seqs=8,
+        num_seqs_buckets=[8],
+        max_num_batched_tokens=64,
+        num_batched_tokens_buckets=[16, 64],
         **COMMON,
     )
     assert _results(llm, targets, GREEDY) == alone

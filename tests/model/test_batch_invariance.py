@@ -35,7 +35,9 @@ def kernels(request: pytest.FixtureRequest, kernel_cache_root: str):
 class PagedCache:
     """One KV cache whose requests each own shuffled blocks; the target is request 0."""
 
-    def __init__(self, lens: list[int], kv_heads: int, head_dim: int, block_size: int, dtype, seed: int) -> None:
+    def __init__(
+        self, lens: list[int], kv_heads: int, head_dim: int, block_size: int, dtype, seed: int
+    ) -> None:
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         per_req = [-(-n // block_size) for n in lens]
@@ -50,7 +52,9 @@ class PagedCache:
         self.v = torch.randn(shape, generator=gen).to(dtype)
         self.lens = lens
 
-    def attend(self, q_rows: dict[int, torch.Tensor], order: list[int], scale: float) -> dict[int, torch.Tensor]:
+    def attend(
+        self, q_rows: dict[int, torch.Tensor], order: list[int], scale: float
+    ) -> dict[int, torch.Tensor]:
         """One step: request r (in ``order``) attends from its last len(q_rows[r]) positions."""
         width = max(len(self.tables[r]) for r in order)
         table = torch.zeros(len(order), width, dtype=torch.int64)
@@ -61,15 +65,25 @@ class PagedCache:
             seq_lens.append(self.lens[r])
         q = torch.cat([q_rows[r] for r in order])
         out = torch.ops.axon_cpu.paged_attention(
-            q, self.k, self.v, table, torch.tensor(qsl, dtype=torch.int32),
-            torch.tensor(seq_lens, dtype=torch.int32), q.shape[0], scale,
+            q,
+            self.k,
+            self.v,
+            table,
+            torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32),
+            q.shape[0],
+            scale,
         )
         return {r: out[qsl[i] : qsl[i + 1]] for i, r in enumerate(order)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("gqa", "head_dim", "block_size"), [(3, 64, 16), (1, 32, 8), (8, 128, 32), (2, 24, 16)])
-def test_a_row_is_the_same_however_its_step_is_made(kernels: str, dtype, gqa: int, head_dim: int, block_size: int) -> None:
+@pytest.mark.parametrize(
+    ("gqa", "head_dim", "block_size"), [(3, 64, 16), (1, 32, 8), (8, 128, 32), (2, 24, 16)]
+)
+def test_a_row_is_the_same_however_its_step_is_made(
+    kernels: str, dtype, gqa: int, head_dim: int, block_size: int
+) -> None:
     rng = random.Random(head_dim * 7 + gqa)
     kv_heads, target_len = 2, 150
     lens = [target_len] + [rng.randint(1, 300) for _ in range(40)]
@@ -77,7 +91,10 @@ def test_a_row_is_the_same_however_its_step_is_made(kernels: str, dtype, gqa: in
     gen = torch.Generator().manual_seed(1)
     # The target's query rows for every position; the last row is the one compared.
     q_all = torch.randn(target_len, kv_heads * gqa, head_dim, generator=gen).to(dtype)
-    q_other = {r: torch.randn(lens[r], kv_heads * gqa, head_dim, generator=gen).to(dtype) for r in range(1, len(lens))}
+    q_other = {
+        r: torch.randn(lens[r], kv_heads * gqa, head_dim, generator=gen).to(dtype)
+        for r in range(1, len(lens))
+    }
     scale = head_dim**-0.5
 
     def last_row(target_rows: int, companions: list[int], companion_rows) -> torch.Tensor:

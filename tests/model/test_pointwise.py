@@ -98,8 +98,14 @@ def test_a_row_does_not_depend_on_its_batch(dtype: torch.dtype) -> None:
     def ops(rows: slice) -> list[torch.Tensor]:
         normed, total = torch.ops.axon_cpu.add_rms_norm(x[rows], res[rows], w, 1e-6)
         rq, rk = torch.ops.axon_cpu.rotary_neox(pos[rows], q[rows], k[rows], rope.cos_cached, rope.sin_cached)
-        return [torch.ops.axon_cpu.rms_norm(x[rows], w, 1e-6), normed, total,
-                torch.ops.axon_cpu.silu_and_mul(gate_up[rows]), rq, rk]
+        return [
+            torch.ops.axon_cpu.rms_norm(x[rows], w, 1e-6),
+            normed,
+            total,
+            torch.ops.axon_cpu.silu_and_mul(gate_up[rows]),
+            rq,
+            rk,
+        ]
 
     whole = ops(slice(0, 33))
     for rows in (slice(5, 6), slice(0, 7), slice(5, 21), slice(1, 33)):

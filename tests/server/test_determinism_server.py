@@ -4,11 +4,11 @@ and again after its prompt is in the prefix cache."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import ServerProcess
 
 QUESTIONS = [
@@ -33,12 +33,12 @@ def server() -> Iterator[ServerProcess]:
 
 
 def _ask(client, question: str, stream: bool, max_tokens: int | None = 48) -> tuple[str, list[float]]:
-    kwargs = dict(
-        model=client.models.list().data[0].id,
-        messages=[{"role": "user", "content": question}],
-        temperature=0.0,
-        logprobs=True,
-    )
+    kwargs = {
+        "model": client.models.list().data[0].id,
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0.0,
+        "logprobs": True,
+    }
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
     if not stream:
@@ -60,7 +60,7 @@ def test_same_answer_alone_batched_streamed_and_cached(server: ServerProcess) ->
     assert all(text and logprobs for text, logprobs in alone)
     for stream in (True, False):  # the second round hits the prefix cache
         with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-            together = list(pool.map(lambda q: _ask(client, q, stream=stream), QUESTIONS))
+            together = list(pool.map(functools.partial(_ask, client, stream=stream), QUESTIONS))
         for question, got, want in zip(QUESTIONS, together, alone):
             assert got == want, f"{question!r} (stream={stream}) differs from the request alone"
 

@@ -11,7 +11,6 @@ softmax, accumulated in float32. It needs the kernels built by ``axon.platforms.
 from __future__ import annotations
 
 import os
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
