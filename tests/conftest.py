@@ -27,9 +27,18 @@ TINY_DIMS = {
 }
 
 
-def tiny_hf_config(family: str):
+def tiny_hf_config(family: str, tokenizer=None):
     import transformers as tf
 
+    if family == "llama_full_vocab":
+        # Four layers over the tokenizer's whole vocabulary, so text and chat prompts fit it.
+        dims = TINY_DIMS | {"num_hidden_layers": 4, "vocab_size": len(tokenizer)}
+        return tf.LlamaConfig(
+            **dims,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     if family == "llama":
         return tf.LlamaConfig(**TINY_DIMS, tie_word_embeddings=False)
     if family == "llama3":
@@ -73,7 +82,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str):
     def make(family: str) -> str:
         if family not in built:
             torch.manual_seed(0)
-            config = tiny_hf_config(family)
+            tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_path)
+            config = tiny_hf_config(family, tokenizer)
             model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             with torch.no_grad():  # biases default to zero; make them count
                 for name, p in model.named_parameters():
@@ -81,7 +91,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str):
                         p.normal_(0, 0.1)
             folder = Path(tmp_path_factory.mktemp(f"tiny-{family}"))
             model.save_pretrained(folder)
-            tf.AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
             built[family] = str(folder)
         return built[family]
 

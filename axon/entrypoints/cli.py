@@ -1,5 +1,5 @@
-"""The ``axon`` command: ``axon serve [MODEL]``, ``axon generate PROMPT``, ``axon chat`` and
-``axon bench serve``, with vLLM's flag names.
+"""The ``axon`` command: ``axon serve [MODEL]``, ``axon generate PROMPT``, ``axon chat``,
+``axon bench serve`` and ``axon train-eagle3``, with vLLM's flag names.
 
 Engine flags are generated from the config tree (``axon/config.py``), so every option has one
 name everywhere: ``--max-model-len`` on the command line is ``max_model_len`` in ``LLM(...)``,
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     _add_chat_parser(sub)
     _add_serve_parser(sub)
+    _add_train_eagle3_parser(sub)
     from axon.entrypoints.bench_serve import add_bench_parser
 
     add_bench_parser(sub)
@@ -190,6 +191,40 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument("--model", default=None, help="the same as MODEL")
     add_server_args(serve)
     add_engine_args(serve, skip=frozenset({"served_model_name"}))
+
+
+def _add_train_eagle3_parser(sub: Any) -> None:
+    from axon.spec_decode.train_eagle3 import TrainOptions
+
+    defaults = TrainOptions(output="")
+    train = sub.add_parser(
+        "train-eagle3",
+        help="train an EAGLE3 draft head for a target by self-distillation on this machine, saved in "
+        'the public format (--speculative-config \'{"method": "eagle3", "model": DIR, ...}\')',
+    )
+    train.add_argument(
+        "--target", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"
+    )
+    train.add_argument("--output", required=True, help="folder the head is written to")
+    options = [
+        ("--num-prompts", int, "training prompts, answered by the target"),
+        ("--num-eval-prompts", int, "held-out prompts of the acceptance estimate"),
+        ("--max-tokens", int, "the most tokens per generated answer"),
+        ("--epochs", int, "passes over the training data"),
+        ("--draft-vocab-size", int, "target tokens the head can draft (the most frequent ones)"),
+        ("--lr", float, "peak learning rate (AdamW, warm-up then cosine decay)"),
+        ("--num-steps", int, "draft steps unrolled in training and in the acceptance estimate"),
+        ("--seed", int, "seed of the prompt order and the head's initial weights"),
+    ]
+    for flag, kind, text in options:
+        default = getattr(defaults, flag[2:].replace("-", "_"))
+        train.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+    train.add_argument(
+        "--dtype",
+        default=defaults.dtype,
+        choices=("auto", "float32", "bfloat16"),
+        help="the target's dtype in generation and its pass; the head trains in float32 (default: auto)",
+    )
 
 
 def _make_engine(args: argparse.Namespace):
@@ -304,9 +339,69 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_train_eagle3(args: argparse.Namespace) -> int:
+    import time
+
+    from axon.spec_decode.train_eagle3 import TrainOptions, train_eagle3
+
+    configure_logging("axon")
+    options = TrainOptions(
+        output=args.output,
+        target=args.target,
+        num_prompts=args.num_prompts,
+        num_eval_prompts=args.num_eval_prompts,
+        max_tokens=args.max_tokens,
+        epochs=args.epochs,
+        draft_vocab_size=args.draft_vocab_size,
+        lr=args.lr,
+        seed=args.seed,
+        dtype=args.dtype,
+        num_steps=args.num_steps,
+    )
+    start = time.perf_counter()
+    report = train_eagle3(options, engine_chat_generator(args.target, args.dtype, args.seed))
+    k = options.num_steps
+    phases = ", ".join(f"{name} {sec:.0f} s" for name, sec in report.seconds.items())
+    print(f"EAGLE3 head written to {report.output} in {time.perf_counter() - start:.0f} s ({phases})")
+    print(
+        f"trained on {report.num_train_tokens} response tokens; the draft vocabulary of "
+        f"{options.draft_vocab_size} covers {report.draft_vocab_coverage:.1%} of them and "
+        f"{report.held_out_vocab_coverage:.1%} of the held-out answers'"
+    )
+    for name, est in (("a random head", report.before), ("trained", report.after)):
+        rates = ", ".join(f"{r:.2f}" for r in est.step_rates)
+        print(
+            f"held-out acceptance ({name}, greedy, k={k}, {est.num_chains} chains): mean acceptance "
+            f"length {est.mean_acceptance_length:.2f}; per draft position {rates}"
+        )
+    return 0
+
+
+def engine_chat_generator(model: str | None, dtype: str, seed: int):
+    """``train_eagle3``'s ``generate``: greedy chat answers from axon's engine, which is freed
+    once they are in (the target pass loads its own copy)."""
+
+    def generate(messages: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+        from axon.entrypoints.llm import LLM
+        from axon.sampling_params import SamplingParams
+
+        llm = LLM(model=model, dtype=dtype, seed=seed, max_num_seqs=64)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        outputs = llm.chat([[{"role": "user", "content": m}] for m in messages], params)
+        return [(list(o.prompt_token_ids or []), list(o.outputs[0].token_ids)) for o in outputs]
+
+    return generate
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
+    commands = {
+        "generate": cmd_generate,
+        "chat": cmd_chat,
+        "serve": cmd_serve,
+        "bench": cmd_bench,
+        "train-eagle3": cmd_train_eagle3,
+    }
     try:
         return commands[args.command](args)
     except ValueError as e:

@@ -166,26 +166,9 @@ def test_compiled_buckets_equal_eager(llama_eager, tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def full_vocab_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> str:
+def full_vocab_llama(tiny_model_dir) -> str:
     """A tiny random Llama over the tokenizer's whole vocabulary, so text prompts fit it."""
-    tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_path)
-    config = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    folder = tmp_path_factory.mktemp("tiny-llama-full-vocab")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return tiny_model_dir("llama_full_vocab")
 
 
 def test_bfloat16_generates_text(full_vocab_llama: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -12,6 +14,19 @@ from axon.model.loader.safetensors_loader import iterate_safetensors
 from axon.model.registry import resolve_model_class
 from axon.platforms import move_to_huge_pages
 from axon.startup import startup_phase
+
+
+def build_empty(make: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """``make()``'s module with parameters of ``dtype`` on ``device``, left uninitialised: built
+    on the meta device (no memory, no random init), then materialised in place."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = make()
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to_empty(device=device)
 
 
 def load_model(
@@ -30,14 +45,7 @@ def load_model(
         cls = resolve_model_class(hf.get("architectures"), model_config.runner)
         # Parameters are built without initialisation (meta), then materialised in place; buffers
         # (rotary tables) are computed for real, in float32.
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device("meta"):
-                model = cls(hf, backend)
-        finally:
-            torch.set_default_dtype(prev)
-        model.to_empty(device=device)
+        model = build_empty(lambda: cls(hf, backend), dtype, device)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         for module in model.modules():

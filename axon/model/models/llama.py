@@ -141,6 +141,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's EAGLE3 layers when a head names none: an early, the middle and a late layer."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, arch: DecoderArch, backend: AttentionBackend) -> None:
         super().__init__()
@@ -151,14 +156,29 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions [T] -> hidden [T, hidden]
+        return self.run(input_ids, positions)[0]
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """hidden [T, hidden] and the input stream [T, hidden] of each of ``aux_layer_ids``."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layer_ids:
+                # The layer's input stream, x + residual: the sum its fused input norm forms
+                # again (the same float add, so the same numbers); layer 0's is the embedding.
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
+        return self.norm(x, residual)[0], [aux[i] for i in aux_layer_ids]
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids, positions) -> hidden states; compute_logits(hidden) -> [N, vocab]."""
+    """forward(input_ids, positions) -> hidden states; compute_logits(hidden) -> [N, vocab].
+
+    With ``set_aux_hidden_state_layers(ids)`` forward returns (hidden, aux) instead: aux
+    concatenates the residual stream at the input of each listed layer, in the order given
+    (what an EAGLE3 head reads; vLLM's convention)."""
 
     qkv_bias: bool | None = None  # None: read attention_bias from the config
     qk_norm = False
@@ -168,6 +188,9 @@ class LlamaForCausalLM(nn.Module):
         self.arch = DecoderArch.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
         self.model = LlamaModel(self.arch, backend)
         self.lm_head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        # Layers whose input stream forward also returns (EAGLE3); a plain tuple, so a compiled
+        # graph specializes on it and the default () traces exactly the plain model.
+        self.aux_layer_ids: tuple[int, ...] = ()
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -175,8 +198,27 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def set_aux_hidden_state_layers(self, layer_ids: tuple[int, ...]) -> None:
+        """Return the input streams of these layers beside the hidden states; () turns it off.
+        A layer listed twice appears twice (tiny models' default ids repeat)."""
+        layer_ids = tuple(layer_ids)
+        num_layers = self.arch.num_layers
+        for i in layer_ids:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers:
+                raise ValueError(
+                    f"aux hidden state layer {i!r} is not a layer of this model (0..{num_layers - 1})"
+                )
+        self.aux_layer_ids = layer_ids
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # input_ids, positions [T] -> hidden [T, hidden], or with aux layers set
+        # (hidden, aux [T, len(aux_layer_ids) * hidden])
+        if not self.aux_layer_ids:
+            return self.model(input_ids, positions)
+        hidden, aux = self.model.run(input_ids, positions, self.aux_layer_ids)
+        return hidden, torch.cat(aux, dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,2 @@
+"""Speculative decoding: proposers (ngram, draft model, EAGLE3), the draft policy, and the
+rejection sampler lives in ``axon/sample/rejection.py``."""
