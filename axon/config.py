@@ -137,7 +137,9 @@ class CompilationConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     speculative_config: dict[str, Any] | None = None
-    """Speculative decoding, JSON (vLLM's keys): not implemented yet (an error if set)."""
+    """Speculative decoding, JSON (vLLM's keys): {"method": "ngram"|"draft_model"|"eagle3",
+    "num_speculative_tokens": k, "model": PATH, "prompt_lookup_min": m, "prompt_lookup_max": M,
+    "disable_by_batch_size": n, "adaptive": true}; see axon/spec_decode/config.py, which checks it."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ class AxonConfig:
 _RESOLVED_ONLY = {"model_path", "hf_config"}
 # vLLM options whose feature is not built yet: named so that their flags parse and `--help` lists
 # them, and refused when set (silently ignoring them would give users something they did not ask for).
-NOT_IMPLEMENTED_OPTIONS = ("speculative_config", "kv_transfer_config", "enable_expert_parallel")
+NOT_IMPLEMENTED_OPTIONS = ("kv_transfer_config", "enable_expert_parallel")
 # Options that parse from JSON strings when given as text (CLI flags).
 _JSON_OPTIONS = {
     "speculative_config",

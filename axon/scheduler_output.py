@@ -32,8 +32,10 @@ class CachedRequestData:
     """Diffs for requests the worker already holds, index-aligned lists."""
 
     req_ids: list[str] = field(default_factory=list)
-    # Blocks appended to each request's block table this step.
+    # Blocks appended to each request's block table this step, after its first num_kept_blocks
+    # (fewer than the worker holds when the scheduler released rejected drafts' blocks).
     new_block_ids: list[list[int]] = field(default_factory=list)
+    num_kept_blocks: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
 
@@ -61,6 +63,10 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
     grammar_output: GrammarOutput | None = None
+    # Speculative decoding: req_id -> the drafts verified this step (their KV is among the
+    # scheduled tokens), and how many tokens each request that samples should draft next.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_draft_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -105,6 +111,9 @@ class ModelRunnerOutput:
     bucket: BucketStep | None = None
     # req_id -> the finished vector of each pooling request whose prompt completed this step.
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative decoding: req_id -> the tokens drafted for the next step (absent: none);
+    # sampled_token_ids then holds a request's accepted drafts and one token more.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

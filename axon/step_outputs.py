@@ -24,6 +24,35 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct):
+    """Verified drafts since the last report (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # verifications (one per request and step with drafts)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [k]: how often the draft at position i was accepted.
+    num_accepted_tokens_per_pos: list[int] = []
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    def take(self) -> SpecDecodingStats:
+        """These counts, and start counting afresh."""
+        out = SpecDecodingStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.num_accepted_tokens_per_pos
+        )
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = []
+        return out
+
+
 class SchedulerStats(msgspec.Struct):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -32,6 +61,7 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # None: speculation is off
     # Execution (filled by the engine core from the worker): this step's bucket, the buckets
     # whose compilation finished since the last report, and start-up times (first report).
     bucket: BucketStep | None = None

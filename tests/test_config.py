@@ -86,7 +86,6 @@ def test_cpu_kv_space_from_vllm_variable(monkeypatch: pytest.MonkeyPatch, smollm
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("speculative_config", '{"method": "ngram", "num_speculative_tokens": 3}'),
         ("kv_transfer_config", {"kv_connector": "NixlConnector", "kv_role": "kv_both"}),
         ("enable_expert_parallel", True),
     ],
@@ -99,14 +98,13 @@ def test_options_not_implemented_yet_are_refused(name: str, value: object) -> No
 def test_llm_refuses_an_option_not_implemented_yet() -> None:
     from axon import LLM
 
-    with pytest.raises(ValueError, match="speculative_config is not implemented yet"):
-        LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="kv_transfer_config is not implemented yet"):
+        LLM(kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"})
 
 
 @pytest.mark.parametrize(
     ("flags", "name"),
     [
-        (["--speculative-config", '{"method": "ngram"}'], "speculative_config"),
         (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "kv_transfer_config"),
         (["--enable-expert-parallel"], "enable_expert_parallel"),
     ],
@@ -122,4 +120,25 @@ def test_serve_refuses_an_option_not_implemented_yet(flags: list[str], name: str
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"axon serve: error: {name} is not implemented yet" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_serve_names_a_bad_speculative_config_field() -> None:
+    """A speculative config missing k fails at start-up naming the field, before loading a model."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "axon.entrypoints.cli",
+            "serve",
+            "--speculative-config",
+            '{"method": "ngram"}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "axon serve: error: speculative_config.num_speculative_tokens" in proc.stderr
     assert "Traceback" not in proc.stderr

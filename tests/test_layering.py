@@ -24,9 +24,11 @@ LAYERS: tuple[str, ...] = (
     "core",
     "executor",
     "worker",
+    # Proposers run draft models (EAGLE3 heads, small models) through the model layer's attention,
+    # so speculative decoding sits above the model, not beside sampling as DESIGN drew it.
+    "spec_decode",
     "model",
     "sample",
-    "spec_decode",
     "structured_output",
     "kv_transfer",
     "metrics",

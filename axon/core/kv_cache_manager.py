@@ -104,8 +104,10 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Give the request blocks for all tokens up to the end of this step.
+        """Give the request blocks for all tokens up to the end of this step, and for
+        ``num_lookahead_tokens`` more (the KV a draft model writes for its drafts).
 
         Returns the newly allocated fresh blocks (not the hit blocks), or ``None`` with nothing
         changed if the free pool cannot supply them. Free cached blocks count as free, except
@@ -128,10 +130,11 @@ class KVCacheManager:
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_required_tokens = num_computed_tokens + num_new_tokens
-        assert num_required_tokens <= self.max_model_len, (
-            f"request {req_id}: {num_required_tokens} tokens exceed max_model_len {self.max_model_len}"
+        assert num_required_tokens + num_lookahead_tokens <= self.max_model_len, (
+            f"request {req_id}: {num_required_tokens} + {num_lookahead_tokens} lookahead tokens "
+            f"exceed max_model_len {self.max_model_len}"
         )
-        num_required_blocks = self.num_blocks_needed(num_required_tokens)
+        num_required_blocks = self.num_blocks_needed(num_required_tokens + num_lookahead_tokens)
         num_new_blocks = max(num_required_blocks - len(req_blocks) - len(new_computed_blocks), 0)
         # Free hit blocks sit in the free queue now but leave it when touched.
         num_evictable_hit_blocks = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
@@ -175,6 +178,21 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self.num_cached_block.pop(request.req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past its first ``num_tokens`` tokens (rejected drafts'
+        and unused lookahead slots). Such blocks never hold a full block of known tokens, so
+        none of them is in the prefix cache."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        keep = self.num_blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        assert self.num_cached_block.get(request.req_id, 0) <= keep, (
+            f"request {request.req_id}: trimming cached blocks ({keep} kept)"
+        )
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -102,6 +102,9 @@ class Request:
         # Async scheduling: tokens being sampled by a step in flight, already counted in
         # num_computed_tokens for the step scheduled after it, not known yet.
         self.num_output_placeholders = 0
+        # Speculative decoding: tokens the proposer drafted after the last step, verified by the
+        # next one (their KV is computed then; rejected ones are rolled back).
+        self.spec_token_ids: list[int] = []
         # Prompt tokens found in the prefix cache when first scheduled (vLLM's num_cached_tokens).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -138,6 +141,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -17,6 +17,14 @@ encoder-only model (``encoder_only``: bidirectional attention, no KV cache) a pr
 split across steps: it is admitted only when the whole prompt fits the step's remaining budget,
 and a prompt longer than ``max_num_batched_tokens`` runs alone in a step of its own.
 
+Speculative decoding (``spec_config``): after each step the worker drafts tokens for every
+request that sampled (``ModelRunnerOutput.spec_token_ids``); the request keeps them in
+``spec_token_ids`` and the next step schedules them with its known tokens (``num_tokens_with_spec``),
+so the worker verifies them in one forward. A draft model or EAGLE3 head writes KV for the
+positions it drafts, so its requests get ``num_lookahead_tokens`` slots beyond the step. When
+the step's output comes, the rejected drafts are rolled back (``num_computed_tokens``) and the
+blocks that held only them are released. ``DraftPolicy`` picks how many to draft per step.
+
 Async scheduling: the engine may schedule step N+1 before step N's sampled tokens are known.
 Every request that samples in a step carries a placeholder for that token
 (``num_output_placeholders``) until ``update_from_output`` brings it, and is scheduled one token
@@ -44,7 +52,9 @@ from axon.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from axon.step_outputs import EngineCoreOutput, SchedulerStats
+from axon.spec_decode.config import SpecDecodeConfig
+from axon.spec_decode.policy import DraftPolicy
+from axon.step_outputs import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from axon.structured_output.manager import StructuredOutputManager, Verdict
 
 
@@ -57,6 +67,7 @@ class Scheduler:
         num_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
         encoder_only: bool = False,
+        spec_config: SpecDecodeConfig | None = None,
     ) -> None:
         assert scheduler_config.max_num_batched_tokens is not None, (
             "resolve_config sets max_num_batched_tokens"
@@ -84,6 +95,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.structured_output_manager = structured_output_manager
         self.waiting_for_grammar: dict[str, Request] = {}  # WAITING_FOR_FSM, arrival order
+        self.draft_policy = None if spec_config is None else DraftPolicy(spec_config)
+        # Model-based proposers write draft KV past the step's tokens; ngram writes none.
+        self.drafts_need_kv = spec_config is not None and spec_config.method != "ngram"
+        self.num_lookahead_tokens = 0  # this step's drafts per request (the policy's choice)
+        self.spec_stats = SpecDecodingStats()  # since the last report
+        self.spec_totals = SpecDecodingStats()  # since start-up
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -124,6 +141,8 @@ class Scheduler:
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens are known: not while
         a grammar needs each token before it can mask the next."""
+        if self.draft_policy is not None:
+            return False  # the next step verifies drafts made from this step's tokens
         return not self.waiting_for_grammar and not any(
             r.structured_output_request is not None for r in (*self.running, *self.waiting)
         )
@@ -134,9 +153,12 @@ class Scheduler:
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
 
         self._promote_ready_grammars()
-        budget = self._schedule_running(budget, num_scheduled, cached, preempted)
+        if self.draft_policy is not None:
+            self.num_lookahead_tokens = self.draft_policy.num_drafts(len(self.running) + len(self.waiting))
+        budget = self._schedule_running(budget, num_scheduled, cached, preempted, spec_tokens)
         if not preempted:
             self._admit_waiting(budget, num_scheduled, new_reqs)
 
@@ -145,7 +167,8 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.is_pooling:
                 continue  # pooled, not sampled: update_from_output finishes it
-            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            num_drafts = len(spec_tokens.get(req_id, ()))
+            if req.num_computed_tokens - num_drafts == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # it samples this step; update_from_output settles it
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -155,12 +178,19 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
             grammar_output=self._grammar_output(num_scheduled),
+            scheduled_spec_decode_tokens=spec_tokens,
+            num_draft_tokens=self.num_lookahead_tokens,
         )
         self.finished_req_ids = set()
         return out
 
     def _schedule_running(
-        self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData, preempted: set[str]
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        cached: CachedRequestData,
+        preempted: set[str],
+        spec_tokens: dict[str, list[int]],
     ) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -175,23 +205,37 @@ class Scheduler:
             ):
                 i += 1  # its in-flight token is its last
                 continue
-            n = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+            num_known = req.num_tokens + pending - req.num_computed_tokens
+            n = min(num_known + len(req.spec_token_ids), budget)
             assert n > 0, f"running request {req.req_id} has nothing to compute"
-            new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+            lookahead = self._lookahead(req, n)
+            num_kept_blocks = self.kv_cache_manager.get_num_blocks(req.req_id)
+            new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_lookahead_tokens=lookahead)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.req_id)
                 if victim is req:
                     return budget
-                new_blocks = self.kv_cache_manager.allocate_slots(req, n)
+                new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_lookahead_tokens=lookahead)
+            if n > num_known:
+                spec_tokens[req.req_id] = req.spec_token_ids[: n - num_known]
             num_scheduled[req.req_id] = n
             cached.req_ids.append(req.req_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_kept_blocks.append(num_kept_blocks)
             cached.num_computed_tokens.append(req.num_computed_tokens)
             budget -= n
             i += 1
         return budget
+
+    def _lookahead(self, req: Request, num_new_tokens: int) -> int:
+        """KV slots past the step for the drafts a model-based proposer writes after it."""
+        if not self.drafts_need_kv or req.is_pooling:
+            return 0
+        return max(
+            0, min(self.num_lookahead_tokens, self.max_model_len - req.num_computed_tokens - num_new_tokens)
+        )
 
     def _admit_waiting(
         self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
@@ -209,7 +253,12 @@ class Scheduler:
                 if budget < self.max_num_batched_tokens:
                     break
                 n = req.num_tokens
-            new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_hit_tokens, hit_blocks)
+            lookahead = (
+                self._lookahead(req, num_hit_tokens + n) if n == req.num_tokens - num_hit_tokens else 0
+            )
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                req, n, num_hit_tokens, hit_blocks, num_lookahead_tokens=lookahead
+            )
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -238,6 +287,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.set_status(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -261,9 +311,12 @@ class Scheduler:
                 continue  # pooled above, or a prefill segment
             sampled = runner_output.sampled_token_ids[idx]
             if req is not None and sampled and req.num_output_placeholders:
-                req.num_output_placeholders -= len(sampled)
+                req.num_output_placeholders -= 1
             elif req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted (or finished by an earlier step) or preempted while the step ran
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and sampled and req.status == RequestStatus.RUNNING:
+                self._settle_drafts(req, len(drafts), len(sampled) - 1)
             new_token_ids = []
             for token_id in sampled:
                 req.append_output_token_ids(token_id)
@@ -273,14 +326,38 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and prompt_logprobs is None:
                 continue  # a prefill segment: nothing to report yet
-            outputs.append(
-                self._output_of(req, new_token_ids, runner_output.logprobs.get(req_id), prompt_logprobs)
-            )
+            logprobs = runner_output.logprobs.get(req_id)
+            if logprobs is not None and len(logprobs.ranks) > len(new_token_ids):
+                # A stop inside a verified run of drafts: the tokens after it are not output.
+                n = len(new_token_ids)
+                logprobs = LogprobsLists(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
+            outputs.append(self._output_of(req, new_token_ids, logprobs, prompt_logprobs))
             if req.is_finished():
                 # Running, or preempted by a step scheduled ahead while its token was in flight.
                 (self.running if req in self.running else self.waiting).remove(req)
                 self._free(req)
+            elif req.status == RequestStatus.RUNNING:
+                req.spec_token_ids = self._usable_drafts(req, runner_output.spec_token_ids.get(req_id))
         return outputs
+
+    def _settle_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Roll back the rejected drafts' KV and release the blocks that held only them."""
+        assert 0 <= num_accepted <= num_drafts, f"{num_accepted} of {num_drafts} drafts accepted"
+        req.num_computed_tokens -= num_drafts - num_accepted
+        req.spec_token_ids = []
+        self.kv_cache_manager.trim(req, req.num_computed_tokens)
+        assert self.draft_policy is not None
+        self.draft_policy.record(num_drafts, num_accepted)
+        self.spec_stats.observe(num_drafts, num_accepted)
+        self.spec_totals.observe(num_drafts, num_accepted)
+
+    def _usable_drafts(self, req: Request, drafts: list[int] | None) -> list[int]:
+        """The drafts that can still become output: none past max_tokens or max_model_len, and
+        none for a request whose grammar must see each token before the next is allowed."""
+        if not drafts or req.structured_output_request is not None:
+            return []
+        room = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
+        return drafts[: max(room, 0)]
 
     @staticmethod
     def _output_of(
@@ -369,4 +446,5 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=self.spec_stats.take() if self.draft_policy is not None else None,
         )

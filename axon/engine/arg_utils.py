@@ -15,6 +15,7 @@ from axon.model.loader.default_model import (
 from axon.model.pooler import model_pooler_config
 from axon.model.registry import can_pool, is_encoder_only, is_pooling_model, resolve_model_class
 from axon.reasoning import get_reasoning_parser
+from axon.spec_decode.config import check_draft_model, parse_spec_decode_config
 from axon.structured_output.options import parse_structured_outputs_config
 from axon.worker.buckets import resolve_bucket_lists
 
@@ -95,9 +96,29 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
         scheduler_config=scheduler_config,
         cache_config=c,
         compilation_config=comp,
+        speculative_config=_resolve_speculative(config, runner, hf, cache_root),
     )
     # Bucket lists are resolved and checked here, once, before a model loads; the worker reads them.
     return replace(resolved, compilation_config=resolve_bucket_lists(resolved))
+
+
+def _resolve_speculative(config: AxonConfig, runner: str, hf: dict[str, Any], cache_root: str):
+    """The checked speculative options (a GGUF draft converted once), before any model loads."""
+    spec = parse_spec_decode_config(config.speculative_config.speculative_config)
+    if spec is None:
+        return config.speculative_config
+    if runner == "pooling":
+        raise ValueError("speculative_config applies only to generative models (runner='generate')")
+    if spec.method == "draft_model":
+        assert spec.model is not None
+        spec = replace(spec, model=_resolve_model_path(spec.model, "auto", cache_root))
+        check_draft_model(spec, hf)
+    elif spec.method == "eagle3":
+        from axon.spec_decode.eagle3 import check_eagle3_config
+
+        assert spec.model is not None
+        check_eagle3_config(spec.model, hf)
+    return replace(config.speculative_config, speculative_config=spec.to_dict())
 
 
 def _check_structured_outputs(so: StructuredOutputsConfig) -> None:

@@ -28,6 +28,7 @@ from axon.engine.tokenizer import get_tokenizer
 from axon.executor.abstract import Executor
 from axon.model.registry import is_encoder_only, resolve_model_class
 from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
+from axon.spec_decode.config import parse_spec_decode_config
 from axon.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class EngineCore:
             encoder_only=is_encoder_only(
                 resolve_model_class((m.hf_config or {}).get("architectures"), m.runner)
             ),
+            spec_config=parse_spec_decode_config(config.speculative_config.speculative_config),
         )
         self.block_hasher = make_block_hasher(config.cache_config.block_size)
         self.async_scheduling = self.executor.max_concurrent_batches > 1

@@ -121,6 +121,15 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.all_greedy:
         assert greedy is not None
         return greedy
+    sampled = exponential_race(random_probs(logits, metadata), metadata.generators)  # [B]
+    if greedy is None:
+        return sampled
+    return torch.where(metadata.greedy_mask, greedy, sampled)
+
+
+def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Processed float32 `logits` [B, V] -> the distribution random rows draw from [B, V]:
+    temperature, min_p, top_k, top_p, softmax (in place on `logits`)."""
     # Greedy rows carry temperature 1.0, so this leaves them as they were (their result is discarded).
     logits = logits.div_(metadata.temperature.unsqueeze(1))
     if not metadata.no_min_p:
@@ -130,10 +139,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         None if metadata.no_top_k else metadata.top_k,
         None if metadata.no_top_p else metadata.top_p,
     )
-    sampled = exponential_race(logits.softmax(dim=-1), metadata.generators)  # [B]
-    if greedy is None:
-        return sampled
-    return torch.where(metadata.greedy_mask, greedy, sampled)
+    return logits.softmax(dim=-1)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,10 @@ vllm-neuron's three dimensions, under its key names:
                                  longest sequence needs
 
 A step's flattened token count is padded up to the smallest bucket that fits it; a decode-only
-step has one token per request, so both token lists are one set of graph shapes. Padded rows
+step has one token per request, so both token lists are one set of graph shapes. With
+speculative decoding a decode step verifies up to k drafts per request, k + 1 tokens each: its
+buckets are num_seqs_buckets times (k + 1) besides num_seqs_buckets, so a verification pads to
+a few rows, not to a prefill bucket. Padded rows
 write no KV and are never sampled (``axon/model/layers/attention/backend.py``), so padding never
 changes a result.
 """
@@ -38,6 +41,7 @@ class Buckets:
     decode_context_length: tuple[int, ...]  # () when off; max_model_len is the implicit last
     block_size: int
     max_model_len: int
+    num_speculative_tokens: int = 0
 
     @classmethod
     def from_config(cls, config: AxonConfig) -> Buckets:
@@ -53,17 +57,26 @@ class Buckets:
             "resolve_config() resolves the bucket lists"
         )
         assert max_model_len is not None, "resolve_config() sets max_model_len"
-        return cls(tokens, seqs, contexts, config.cache_config.block_size, max_model_len)
+        spec = (config.speculative_config.speculative_config or {}).get("num_speculative_tokens", 0)
+        return cls(tokens, seqs, contexts, config.cache_config.block_size, max_model_len, spec)
+
+    @property
+    def decode_sizes(self) -> tuple[int, ...]:
+        """Token counts of decode steps: num_seqs_buckets, and each times (k + 1) with drafts
+        (up to the largest prefill bucket, which bounds a step)."""
+        k = self.num_speculative_tokens
+        verify = {b * (k + 1) for b in self.num_seqs if b * (k + 1) <= self.num_batched_tokens[-1]}
+        return tuple(sorted(set(self.num_seqs) | (verify if k else set())))
 
     @property
     def token_sizes(self) -> tuple[int, ...]:
         """Every padded token count a step can have: one compiled graph each."""
-        return tuple(sorted(set(self.num_batched_tokens) | set(self.num_seqs)))
+        return tuple(sorted(set(self.num_batched_tokens) | set(self.decode_sizes)))
 
     def pad_tokens(self, num_tokens: int, is_decode: bool) -> int:
-        """The smallest bucket holding ``num_tokens``: from num_seqs_buckets for a decode-only
+        """The smallest bucket holding ``num_tokens``: from the decode sizes for a decode-only
         step, else from num_batched_tokens_buckets (either list if the first has none)."""
-        first = self.num_seqs if is_decode else self.num_batched_tokens
+        first = self.decode_sizes if is_decode else self.num_batched_tokens
         for sizes in (first, self.token_sizes):
             i = bisect.bisect_left(sizes, num_tokens)
             if i < len(sizes):

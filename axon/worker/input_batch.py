@@ -65,10 +65,11 @@ class RequestStates:
         for new in sched.scheduled_new_reqs:
             self.states[new.req_id] = self._make_state(new)
         diffs = sched.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(
-            diffs.req_ids, diffs.new_block_ids, diffs.num_computed_tokens, strict=True
+        for req_id, new_block_ids, num_kept, num_computed in zip(
+            diffs.req_ids, diffs.new_block_ids, diffs.num_kept_blocks, diffs.num_computed_tokens, strict=True
         ):
             state = self.states[req_id]
+            del state.block_ids[num_kept:]
             state.block_ids.extend(new_block_ids)
             state.num_computed_tokens = num_computed
 

@@ -22,8 +22,10 @@ from axon.model.pooler import finish_embedding, pool
 from axon.sample.grammar import GrammarBitmask
 from axon.sample.logprobs import compute_logprobs, to_lists
 from axon.sample.metadata import build_sampling_metadata
+from axon.sample.rejection import rejection_sample
 from axon.sample.sampler import Sampler
 from axon.scheduler_output import BucketStep, LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from axon.spec_decode.proposer import DraftBatch, DraftRequest, Proposer
 from axon.worker.buckets import Buckets, bucket_name
 from axon.worker.compiler import BucketCompiler
 from axon.worker.input_batch import CachedRequestState, RequestStates
@@ -37,7 +39,10 @@ class StepInputs:
     attn_metadata: CommonAttentionMetadata  # the step's description; the backend builds its own
     # Rows whose last scheduled token is the sequence's last known token: they sample.
     sample_req_idx: list[int]
-    logits_indices: torch.Tensor  # [num_sampled] token index of each sampling row's last token
+    # [num_sampled rows] token index of each sampling row: a request verifying k drafts has
+    # k + 1 rows (its last known token and each draft), any other sampling request one.
+    logits_indices: torch.Tensor
+    drafts: list[list[int]]  # per sampling request (aligned with sample_req_idx): drafts verified
     bucket: BucketStep | None = None  # the shape the step runs at
     graph: Callable[..., torch.Tensor] | None = None  # its compiled graph; None: eager
 
@@ -52,6 +57,7 @@ class ModelRunner:
         buckets: Buckets | None = None,
         compiler: BucketCompiler | None = None,
         pooling_type: str | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
         self.pooling_type = pooling_type  # the model's pooler (runner="pooling" only)
@@ -63,14 +69,19 @@ class ModelRunner:
         self.compiler = compiler  # None: eager
         self.requests = RequestStates(device)
         self.sampler = Sampler()
+        self.proposer = proposer  # speculative decoding: drafts after each step (None: off)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(sched)
+        if self.proposer is not None:
+            self.proposer.forget(sched.finished_req_ids | sched.preempted_req_ids)
+            for new in sched.scheduled_new_reqs:
+                self.proposer.begin(new.req_id, new.num_computed_tokens)
         if sched.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(sched)
-        hidden = self.run_forward(inputs)  # [T, hidden]
+        hidden, aux = self.run_forward(inputs)  # [T, hidden], [T, aux] or None
         sampled, logprobs = self.sample(inputs, hidden)
         prompt_logprobs = self.compute_prompt_logprobs(inputs, hidden, sched)
         return ModelRunnerOutput(
@@ -80,7 +91,38 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             bucket=inputs.bucket,
             pooler_output=self.pool(inputs, hidden),
+            spec_token_ids=self.propose(sched, inputs, sampled, hidden if aux is None else aux),
         )
+
+    def propose(
+        self, sched: SchedulerOutput, inputs: StepInputs, sampled: list[list[int]], hidden: torch.Tensor
+    ) -> dict[str, list[int]]:
+        """Drafts for the next step of every request that sampled (none while the policy says 0)."""
+        if self.proposer is None:
+            return {}
+        requests = []
+        loc = inputs.attn_metadata.query_start_loc
+        drafts_of = dict(zip(inputs.sample_req_idx, inputs.drafts, strict=True))
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            if state.pooling_params is not None:
+                continue
+            drafts = drafts_of.get(i, [])
+            num_known_rows = loc[i + 1] - loc[i] - len(drafts)
+            requests.append(
+                DraftRequest(
+                    req_id=req_id,
+                    token_ids=state.token_ids,
+                    block_ids=state.block_ids,
+                    row=loc[i],
+                    first_position=state.num_computed_tokens,
+                    num_valid_rows=num_known_rows + max(len(sampled[i]) - 1, 0),
+                    wants_drafts=bool(sampled[i]),
+                )
+            )
+        batch = DraftBatch(requests, sched.num_draft_tokens, hidden if self.proposer.hidden_states else None)
+        drafts = self.proposer.propose(batch)
+        return {r.req_id: d for r, d in zip(requests, drafts, strict=True) if d}
 
     def pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
         """The finished vectors of the pooling requests whose prompt this step completed; the
@@ -111,19 +153,25 @@ class ModelRunner:
         segments: list[Segment] = []
         sample_req_idx: list[int] = []
         logits_indices: list[int] = []
+        drafts: list[list[int]] = []
+        is_decode = True  # every request computes its last known token and its drafts only
         for i, req_id in enumerate(req_ids):
             state = self.requests[req_id]
             start = state.num_computed_tokens
             end = start + sched.num_scheduled_tokens[req_id]
-            assert end <= state.num_tokens, f"{req_id}: scheduled past its known tokens"
-            token_ids += state.token_ids[start:end]
+            spec = sched.scheduled_spec_decode_tokens.get(req_id, [])
+            known_end = end - len(spec)
+            assert known_end <= state.num_tokens, f"{req_id}: scheduled past its known tokens"
+            assert not spec or known_end == state.num_tokens, f"{req_id}: drafts after a partial prefill"
+            token_ids += state.token_ids[start:known_end] + spec
             positions += range(start, end)
             segments.append(Segment(state.block_ids, start, end))
-            if end == state.num_tokens and state.pooling_params is None:
+            is_decode = is_decode and end - start == len(spec) + 1
+            if known_end == state.num_tokens and state.pooling_params is None:
                 sample_req_idx.append(i)
-                logits_indices.append(len(token_ids) - 1)
+                logits_indices += range(len(token_ids) - len(spec) - 1, len(token_ids))
+                drafts.append(spec)
         num_tokens = len(token_ids)
-        is_decode = num_tokens == len(req_ids)
         graph, padded, block_cols = None, num_tokens, None
         if self.buckets is not None and self.compiler is not None:
             target = self.buckets.pad_tokens(num_tokens, is_decode)
@@ -144,52 +192,72 @@ class ModelRunner:
             attn_metadata=metadata,
             sample_req_idx=sample_req_idx,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            drafts=drafts,
             bucket=BucketStep(bucket_name(padded, is_decode), num_tokens, padded),
             graph=graph,
         )
 
-    def run_forward(self, inputs: StepInputs) -> torch.Tensor:
-        """[padded tokens, hidden]: through the bucket's compiled graph when it is ready."""
+    def run_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[padded tokens, hidden] through the bucket's compiled graph when it is ready, and the
+        auxiliary hidden states an EAGLE3 head reads (None unless the target returns them)."""
         with set_forward_context(inputs.attn_metadata, self.attention_layers):
-            return (inputs.graph or self.model)(inputs.input_ids, inputs.positions)
+            out = (inputs.graph or self.model)(inputs.input_ids, inputs.positions)
+        return out if isinstance(out, tuple) else (out, None)
 
     def sample(
         self, inputs: StepInputs, hidden: torch.Tensor
     ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
+        """Each sampling request's new tokens: one, or its accepted drafts and one more."""
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         if not inputs.sample_req_idx:
             return sampled, {}
         states = [self.requests[inputs.req_ids[i]] for i in inputs.sample_req_idx]
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_rows, vocab]
+        # Row j of a request verifying drafts sees its drafts before j as output tokens.
+        rows = [
+            (s, s.output_token_ids + d[:j]) for s, d in zip(states, inputs.drafts) for j in range(len(d) + 1)
+        ]
         metadata = build_sampling_metadata(
-            [s.sampling_params for s in states],
-            [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
-            [s.generator for s in states],
+            [s.sampling_params for s, _ in rows],
+            [s.prompt_token_ids for s, _ in rows],
+            [out for _, out in rows],
+            [s.generator for s, _ in rows],
             self.vocab_size,
             self.device,
         )
         metadata.grammar_bitmask = GrammarBitmask.from_output(
-            self.requests.grammar_output, [s.req_id for s in states], self.device
+            self.requests.grammar_output, [s.req_id for s, _ in rows], self.device
         )
-        out = self.sampler(logits, metadata)
-        token_ids = out.sampled_token_ids.tolist()
-        for row, (i, state) in enumerate(zip(inputs.sample_req_idx, states, strict=True)):
-            sampled[i] = [token_ids[row]]
-            state.append_output(token_ids[row])
-        return sampled, self._split_logprobs(states, out.logprobs)
+        if any(inputs.drafts):
+            verified = rejection_sample(logits, metadata, inputs.drafts)
+            new_tokens, logprobs = verified.token_ids, verified.logprobs
+        else:
+            out = self.sampler(logits, metadata)
+            new_tokens, logprobs = [[t] for t in out.sampled_token_ids.tolist()], out.logprobs
+        for i, state, tokens in zip(inputs.sample_req_idx, states, new_tokens, strict=True):
+            sampled[i] = tokens
+            for token in tokens:
+                state.append_output(token)
+        return sampled, self._split_logprobs(states, new_tokens, logprobs)
 
     @staticmethod
-    def _split_logprobs(states: list[CachedRequestState], logprobs) -> dict[str, LogprobsLists]:
+    def _split_logprobs(
+        states: list[CachedRequestState], new_tokens: list[list[int]], logprobs
+    ) -> dict[str, LogprobsLists]:
+        """Each asking request's rows of the step's logprobs (one row per new token)."""
         if logprobs is None:
             return {}
         wanted = [s.sampling_params.logprobs for s in states]
-        rows = [r for r, k in enumerate(wanted) if k is not None]
-        lists = to_lists(logprobs, [k or 0 for k in wanted])
-        return {
-            states[r].req_id: LogprobsLists([lists.token_ids[r]], [lists.logprobs[r]], [lists.ranks[r]])
-            for r in rows
-        }
+        lists = to_lists(logprobs, [k or 0 for k, tokens in zip(wanted, new_tokens) for _ in tokens])
+        out, row = {}, 0
+        for state, k, tokens in zip(states, wanted, new_tokens, strict=True):
+            if k is not None:
+                end = row + len(tokens)
+                out[state.req_id] = LogprobsLists(
+                    lists.token_ids[row:end], lists.logprobs[row:end], lists.ranks[row:end]
+                )
+            row += len(tokens)
+        return out
 
     def compute_prompt_logprobs(
         self, inputs: StepInputs, hidden: torch.Tensor, sched: SchedulerOutput

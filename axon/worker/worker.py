@@ -25,6 +25,7 @@ from axon.platforms import (
 from axon.platforms.cpu_kernels import cpu_kernels_loaded
 from axon.platforms.cpu_threads import configure_cpu_threads, init_cpu_process
 from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
+from axon.spec_decode.registry import make_proposer
 from axon.startup import startup_phase
 from axon.version import __version__
 from axon.worker.buckets import Buckets
@@ -129,6 +130,15 @@ class Worker:
         self.encoder_only = is_encoder_only(self.model)
         self.compiler = None if config.compilation_config.enforce_eager else self._make_compiler()
         pooling = config.model_config.runner == "pooling"
+        self.proposer = make_proposer(
+            config,
+            self.model,
+            self.dtype,
+            self.device,
+            backend,
+            self.linear_backend,
+            config.scheduler_config.max_num_seqs,
+        )
         self.runner = ModelRunner(
             self.model,
             config.cache_config.block_size,
@@ -137,6 +147,7 @@ class Worker:
             buckets=self.buckets,
             compiler=self.compiler,
             pooling_type=model_pooler_config(config.model_config).pooling_type if pooling else None,
+            proposer=self.proposer,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -191,16 +202,21 @@ class Worker:
         self.compiler.compile_pending()
         return self.compiler.take_events()
 
+    def _kv_layers(self) -> list[list]:
+        """The layers of every model whose KV the cache holds, each model's indexed from 0: the
+        target's, and a draft's, all of ``num_blocks`` blocks."""
+        groups = [list(self.model.attention_layers())]
+        if self.proposer is not None and self.proposer.kv_layers():
+            groups.append(self.proposer.kv_layers())
+        return groups
+
     def bytes_per_block(self) -> int:
-        arch = self.model.arch
-        elem = self.dtype.itemsize
-        return (
-            2
-            * arch.num_layers
-            * self.config.cache_config.block_size
-            * arch.num_kv_heads
-            * arch.head_dim
-            * elem
+        """K and V of one block in every layer (the draft's included)."""
+        block_size, elem = self.config.cache_config.block_size, self.dtype.itemsize
+        return sum(
+            2 * block_size * layer.spec.num_kv_heads * layer.spec.head_dim * elem
+            for layers in self._kv_layers()
+            for layer in layers
         )
 
     def determine_num_blocks(self) -> int:
@@ -224,8 +240,7 @@ class Worker:
             for i, layer in enumerate(self.model.attention_layers()):
                 layer.bind_kv_cache(i, None)
             return
-        arch = self.model.arch
-        shape = (num_blocks, self.config.cache_config.block_size, arch.num_kv_heads, arch.head_dim)
+        block_size = self.config.cache_config.block_size
         self.kv_caches = []
         gib = num_blocks * self.bytes_per_block() / _GIB
         size = f"{num_blocks} blocks of {self.config.cache_config.block_size} tokens ({gib:.2f} GiB)"
@@ -234,10 +249,12 @@ class Worker:
             # "Memory of the engine process").
             size += ", resident as blocks are first used"
         with startup_phase(f"allocating the KV cache: {size}"):
-            for i, layer in enumerate(self.model.attention_layers()):
-                kv = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
-                layer.bind_kv_cache(i, kv)
-                self.kv_caches.append(kv)
+            for layers in self._kv_layers():
+                for i, layer in enumerate(layers):
+                    shape = (num_blocks, block_size, layer.spec.num_kv_heads, layer.spec.head_dim)
+                    kv = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+                    layer.bind_kv_cache(i, kv)
+                    self.kv_caches.append(kv)
 
     def init_thread(self) -> None:
         """Set up intra-op threads for another calling thread (async scheduling's step thread)."""

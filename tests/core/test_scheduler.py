@@ -608,12 +608,18 @@ class WorkerMirror:
             self.block_ids[new.req_id] = list(new.block_ids)
             self.num_computed_tokens[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        for req_id, new_block_ids, num_kept, num_computed in zip(
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_kept_blocks,
+            cached.num_computed_tokens,
+            strict=True,
         ):
             assert req_id in self.block_ids, f"diff for {req_id}, which the worker does not hold"
-            assert self.num_computed_tokens[req_id] == num_computed
-            self.block_ids[req_id] += new_block_ids
+            assert num_kept <= len(self.block_ids[req_id])
+            assert num_computed <= self.num_computed_tokens[req_id]
+            self.num_computed_tokens[req_id] = num_computed  # rejected drafts roll it back
+            self.block_ids[req_id] = self.block_ids[req_id][:num_kept] + new_block_ids
         for req_id, n in out.num_scheduled_tokens.items():
             self.num_computed_tokens[req_id] += n
 
