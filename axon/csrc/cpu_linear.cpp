@@ -19,6 +19,13 @@
 // at a time (24 accumulators: six rows gave 455 GFLOP/s on 2 Zen 4 cores where four gave 360, the
 // weight vectors now feeding 24 products each), so a panel (K * 128 bytes) is re-read from L2, not memory, and
 // a chunk's inputs stay in L2 while the panels pass.
+//
+// On CPUs with AMX (Intel Xeon since Sapphire Rapids) the same packed layout feeds the tile
+// unit instead: a panel's 16 steps for one block are exactly a B tile of TDPBF16PS (16 rows of
+// 16 columns' input pairs, 256 bytes apart), and 16 rows of x over 32 inputs are an A tile. Every
+// row count runs on tiles, a single decode row too (padded to 16 rows: the tile unit is so fast
+// that a decode step stays bound by the weight stream), so a row's result never depends on how
+// many rows share the call: one kernel, one summation order, batch-invariant by construction.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,10 +38,19 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define AXON_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <atomic>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace axon_cpu {
 namespace {
@@ -168,7 +184,177 @@ void run_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed,
   });
 }
 
+
+#if defined(AXON_AMX)
+
+// Linux hands out the tile registers' state only to processes that ask (arch_prctl), once.
+bool request_amx_permission() {
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+bool amx_available() {
+  static const bool ok = request_amx_permission();
+  return ok;
+}
+
+// Tiles 0-3: C, 16 rows x 16 float32 columns (one per block of the panel); 4: A, 16 rows x 32
+// bf16 inputs; 5-7: B, 16 input pairs x 16 columns. All 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileSteps = 16;  // input pairs (32 inputs) per tile product
+
+// 16 rows (x, ldx elements apart) times one panel over the first K2T steps (a multiple of 16)
+// into c (16 x 64 float32). The rest of the panel's steps (K2 - K2T < 16) is added with
+// vdpbf16ps after the tiles, for the valid rows only: the same order for every row count.
+inline void panel_tiles(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, int64_t K2T,
+                        const uint16_t* next, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  constexpr int64_t kStepBytes = kStepElems * 2;
+  const int64_t next_lines = next != nullptr ? K2 * kStepBytes / 64 : 0;
+  const int64_t lines_per_tile = K2T > 0 ? (next_lines + K2T / kTileSteps - 1) / (K2T / kTileSteps) : 0;
+  int64_t fetched = 0;
+  for (int64_t k2 = 0; k2 < K2T; k2 += kTileSteps) {
+    const uint16_t* step = panel + k2 * kStepElems;
+    _tile_loadd(4, x + 2 * k2, ldx * 2);
+    _tile_loadd(5, step, kStepBytes);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, step + 32, kStepBytes);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, step + 64, kStepBytes);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, step + 96, kStepBytes);
+    _tile_dpbf16ps(3, 4, 5);
+    // Stream the thread's next panel into L2 while this one computes.
+    const char* nb = reinterpret_cast<const char*>(next);
+    for (int64_t i = 0; i < lines_per_tile && fetched < next_lines; ++i, ++fetched) {
+      _mm_prefetch(nb + 64 * fetched, _MM_HINT_T1);
+    }
+  }
+  _tile_stored(0, c, kGroupCols * 4);
+  _tile_stored(1, c + 16, kGroupCols * 4);
+  _tile_stored(2, c + 32, kGroupCols * 4);
+  _tile_stored(3, c + 48, kGroupCols * 4);
+}
+
+// Two 16-row blocks (x0, x1) times one half of a panel (blocks 2 * half and 2 * half + 1) into
+// rows 0-15 and 16-31 of c (32 x 64 float32): each B tile feeds two products, halving the
+// panel's reads from L2 per product for prefills and large batches. Every output element sums
+// the same tile products in the same order as panel_tiles computes it.
+inline void panel_tiles_pair(const uint16_t* x0, const uint16_t* x1, int64_t ldx, const uint16_t* panel, int64_t K2T,
+                             int half, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  constexpr int64_t kStepBytes = kStepElems * 2;
+  for (int64_t k2 = 0; k2 < K2T; k2 += kTileSteps) {
+    const uint16_t* step = panel + k2 * kStepElems + 64 * half;
+    _tile_loadd(4, x0 + 2 * k2, ldx * 2);
+    _tile_loadd(6, step, kStepBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, step + 32, kStepBytes);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, x1 + 2 * k2, ldx * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  float* ch = c + 32 * half;
+  _tile_stored(0, ch, kGroupCols * 4);
+  _tile_stored(1, ch + 16, kGroupCols * 4);
+  _tile_stored(2, ch + kTileRows * kGroupCols, kGroupCols * 4);
+  _tile_stored(3, ch + kTileRows * kGroupCols + 16, kGroupCols * 4);
+}
+
+template <typename out_t>
+void run_linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
+                    out_t* y) {
+  const int64_t groups = (N + kGroupCols - 1) / kGroupCols, K2 = K / 2;
+  const int64_t K2T = K2 / kTileSteps * kTileSteps;
+  // The rows past the last full 16 are copied into a zero-padded block of 16, once.
+  const int64_t full = M / kTileRows * kTileRows;
+  std::vector<uint16_t> tail(M > full ? kTileRows * K : 0, 0);
+  if (M > full) std::memcpy(tail.data(), x + full * K, (M - full) * K * sizeof(uint16_t));
+  const int64_t grain = std::max<int64_t>(1, groups / (4 * at::get_num_threads()));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float c[2 * kTileRows * kGroupCols];
+    for (int64_t chunk = 0; chunk < M; chunk += kRowChunk)
+    for (int64_t g = begin; g < end; ++g) {
+      const uint16_t* panel = packed + g * K2 * kStepElems;
+      const uint16_t* next = g + 1 < end && chunk + kRowChunk >= M ? panel + K2 * kStepElems : nullptr;
+      const int64_t chunk_end = std::min(M, chunk + kRowChunk);
+      for (int64_t m0 = chunk; m0 < chunk_end;) {
+        // Two whole blocks of rows at a time where there are two, else one (padded).
+        const bool pair = m0 + 2 * kTileRows <= std::min(full, chunk_end);
+        const int64_t rows = pair ? 2 * kTileRows : std::min(kTileRows, M - m0);
+        const uint16_t* xm = m0 < full ? x + m0 * K : tail.data();
+        if (pair) {
+          panel_tiles_pair(xm, xm + kTileRows * K, K, panel, K2T, 0, c);
+          panel_tiles_pair(xm, xm + kTileRows * K, K, panel, K2T, 1, c);
+        } else {
+          panel_tiles(xm, K, panel, K2, K2T, next, c);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 acc[kRowsPerPass][4];
+          for (int b = 0; b < 4; ++b) acc[0][b] = _mm512_load_ps(c + r * kGroupCols + 16 * b);
+          for (int64_t k2 = K2T; k2 < K2; ++k2) {  // the inputs past the last whole tile
+            int32_t pair_in;
+            std::memcpy(&pair_in, xm + r * K + 2 * k2, sizeof(pair_in));
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair_in);
+            const uint16_t* step = panel + k2 * kStepElems;
+            for (int b = 0; b < 4; ++b) {
+              acc[0][b] = _mm512_dpbf16_ps(acc[0][b], a, (__m512bh)_mm512_loadu_si512(step + 32 * b));
+            }
+          }
+          store_rows<1>(acc, y + (m0 + r) * N, N, g * kGroupCols, N, bias);
+        }
+        m0 += rows;
+      }
+    }
+    _tile_release();
+  });
+}
+
+#endif  // AXON_AMX
+
 #endif  // __AVX512BF16__
+
+// Whether packed_linear runs on tiles: on by default where the CPU and the OS allow it; tests
+// and benchmarks turn it off to run the AVX-512 path on the same machine.
+std::atomic<bool> use_amx{true};
+
+bool linear_amx_available() {
+#if defined(AXON_AMX)
+  return amx_available();
+#else
+  return false;
+#endif
+}
+
+// Sets whether packed_linear may use AMX; returns the previous setting.
+bool set_linear_amx(bool enabled) { return use_amx.exchange(enabled); }
+
+bool linear_uses_amx() { return use_amx.load() && linear_amx_available(); }
 
 // x [..., K] bf16 (rows contiguous), packed from pack_linear_weight of an [N, K] weight
 // -> [..., N] in out_dtype (bfloat16 or float32), plus bias (any float dtype) if given.
@@ -193,6 +379,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr<c10::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+#if defined(AXON_AMX)
+  if (linear_uses_amx()) {
+    if (float_out) {
+      run_linear_amx<float>(xp, M, K, wp, N, b, y.data_ptr<float>());
+    } else {
+      run_linear_amx<c10::BFloat16>(xp, M, K, wp, N, b, y.data_ptr<c10::BFloat16>());
+    }
+    return y;
+  }
+#endif
   if (float_out) {
     run_linear<float>(xp, M, K, wp, N, b, y.data_ptr<float>());
   } else {
@@ -208,11 +404,19 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
   m.def("linear_supported() -> bool");
+  m.def("linear_amx_available() -> bool");
+  m.def("linear_uses_amx() -> bool");
+  m.def("set_linear_amx(bool enabled) -> bool");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float_out) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) { m.impl("linear_supported", &linear_supported); }
+TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {
+  m.impl("linear_supported", &linear_supported);
+  m.impl("linear_amx_available", &linear_amx_available);
+  m.impl("linear_uses_amx", &linear_uses_amx);
+  m.impl("set_linear_amx", &set_linear_amx);
+}
 
 TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);

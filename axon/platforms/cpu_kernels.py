@@ -6,7 +6,8 @@ the flags, torch's version and the CPU's feature flags: a second start loads the
 milliseconds, and a cache copied to another kind of CPU is rebuilt rather than run. The build
 writes to a temporary name and renames, so concurrent starts never load a half-written file.
 
-Loading registers ``torch.ops.axon_cpu.*``. Where no compiler is found or the build fails, the
+Loading registers ``torch.ops.axon_cpu.*``. ``AXON_CPU_AMX=0`` keeps the linear kernel off the AMX
+tiles of CPUs that have them (its AVX-512 path then runs, as on other CPUs). Where no compiler is found or the build fails, the
 caller falls back to pure-torch code (``load_cpu_kernels`` returns False and logs why).
 """
 
@@ -166,6 +167,8 @@ def load_cpu_kernels(cache_root: str) -> bool:
             return False
         torch.ops.load_library(path)
         _register_fakes()
+        if os.environ.get("AXON_CPU_AMX", "1") == "0":  # the AVX-512 path on an AMX CPU
+            torch.ops.axon_cpu.set_linear_amx(False)
         _loaded_path = path
         return True
 

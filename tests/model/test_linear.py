@@ -97,6 +97,19 @@ def bf16_kernel(kernel_cache_root: str) -> None:
         pytest.skip("axon's bf16 linear kernel needs a CPU with AVX-512 BF16 and a C++ compiler")
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def bf16_path(request: pytest.FixtureRequest, bf16_kernel: None):
+    """Each of the kernel's paths: AVX-512 BF16 everywhere it loads, AMX tiles where the CPU
+    (and the OS) has them; the AMX machine runs both."""
+    ops = torch.ops.axon_cpu
+    if request.param == "amx" and not ops.linear_amx_available():
+        pytest.skip("this CPU has no AMX tiles (AMX-BF16)")
+    previous = ops.set_linear_amx(request.param == "amx")
+    assert ops.linear_uses_amx() == (request.param == "amx")
+    yield request.param
+    ops.set_linear_amx(previous)
+
+
 def _bf16_layer(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Linear:
     gen = torch.Generator().manual_seed(seed)
     layer = nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
@@ -107,12 +120,13 @@ def _bf16_layer(in_features: int, out_features: int, bias: bool, seed: int) -> n
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 17, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 32, 33, 300])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(96, 200), (64, 64), (128, 16), (2, 130)], ids=str)
-def test_cpu_bf16_equals_f_linear(bf16_kernel: None, rows: int, bias: bool, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("shape", [(96, 200), (64, 64), (128, 16), (2, 130), (40, 70)], ids=str)
+def test_cpu_bf16_equals_f_linear(bf16_path: str, rows: int, bias: bool, shape: tuple[int, int]) -> None:
     # Column counts off the kernel's 64-column panels and 16-column blocks, row counts off its
-    # 6-row passes and past its 256-row chunks: every edge of the tiling.
+    # 6-row passes, its 16- and 32-row tile blocks and past its 256-row chunks, input counts off
+    # the tiles' 32 (40: a tile and a vector tail; 2: no tile at all): every edge of the tiling.
     in_features, out_features = shape
     layer = _bf16_layer(in_features, out_features, bias, seed=rows * 31 + out_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
@@ -217,15 +231,15 @@ def test_stacked_errors_name_the_tensor() -> None:
         load_by_name(_Stacked(), wrong.items(), lambda n: n, stacked=STACKED)
 
 
-def test_cpu_bf16_rows_do_not_depend_on_their_batch(bf16_kernel: None) -> None:
+def test_cpu_bf16_rows_do_not_depend_on_their_batch(bf16_path: str) -> None:
     # One reduction order per output element whatever the call's row count: a row's output is
     # bit-identical alone, in any batch size and at any position (a request's logits must not
     # depend on the requests batched with it).
-    layer = _bf16_layer(256, 320, True, seed=5)
+    layer = _bf16_layer(272, 320, True, seed=5)  # 272 inputs: eight tiles and a vector tail
     packed = CpuBf16Linear(layer)
-    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    x = torch.randn(300, 272, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     with torch.inference_mode():
         whole = packed(x, float_out=True)
-        for start, size in [(0, 1), (7, 1), (3, 5), (250, 13), (100, 6), (0, 257)]:
+        for start, size in [(0, 1), (7, 1), (3, 5), (250, 13), (100, 6), (0, 257), (5, 32), (9, 47)]:
             part = packed(x[start : start + size], float_out=True)
             assert torch.equal(part, whole[start : start + size]), (start, size)
