@@ -16,7 +16,7 @@ KV of those blocks too (written by the request that computed them).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch import nn
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import Segment, describe_step
 from axon.sample.sampler import argmax
-from axon.spec_decode.proposer import DraftBatch, Proposer
+from axon.spec_decode.proposer import DraftBatch, DraftRequest, Proposer
 
 
 def run_segments(
@@ -45,6 +45,33 @@ def run_segments(
             torch.tensor(positions, dtype=torch.int64, device=device),
             **extra,
         )
+
+
+def draft_greedily(
+    first_drafts: list[int],
+    first_slots: list[int],
+    requests: Sequence[DraftRequest],
+    num_drafts: int,
+    block_size: int,
+    decode: Callable[[list[int], list[Segment], list[int]], list[int]],
+) -> list[list[int]]:
+    """Up to ``num_drafts`` drafts per request: its first (from the catch-up pass), then one
+    decode pass per further draft. ``decode(active, segments, tokens)`` feeds the last draft of
+    each active request (indices into ``requests``) as a one-token segment, draft j at position
+    ``first_slots[i] + j - 1``, and returns their next drafts. A request stops where its blocks
+    end: the drafts' KV slots are the scheduler's lookahead slots, which it may cut short."""
+    drafts = [[t] for t in first_drafts]
+    active = list(range(len(requests)))
+    for j in range(1, num_drafts):
+        active = [i for i in active if first_slots[i] + j - 1 < len(requests[i].block_ids) * block_size]
+        if not active:
+            break
+        segments = [
+            Segment(requests[i].block_ids, first_slots[i] + j - 1, first_slots[i] + j) for i in active
+        ]
+        for i, t in zip(active, decode(active, segments, [drafts[i][-1] for i in active]), strict=True):
+            drafts[i].append(t)
+    return drafts
 
 
 class DraftModelProposer(Proposer):
@@ -79,30 +106,18 @@ class DraftModelProposer(Proposer):
             last_rows.append(len(token_ids) - 1)
             self.num_computed[r.req_id] = length
         hidden = run_segments(self.model, self.layers, segments, token_ids, self.block_size, self.device)
-        tokens = self._greedy(hidden[last_rows])
-        active = list(range(len(requests)))
-        for j in range(1, batch.num_drafts + 1):
-            for i in active:
-                drafts[requests[i].req_id].append(tokens[i])
-            # The next draft's position must fit the request's blocks (the lookahead slots).
-            active = [i for i in active if len(requests[i].token_ids) - 1 + j < self._capacity(requests[i])]
-            if j == batch.num_drafts or not active:
-                break
-            segs = [
-                Segment(
-                    requests[i].block_ids, len(requests[i].token_ids) - 1 + j, len(requests[i].token_ids) + j
-                )
-                for i in active
-            ]
-            hidden = run_segments(
-                self.model, self.layers, segs, [tokens[i] for i in active], self.block_size, self.device
-            )
-            for i, t in zip(active, self._greedy(hidden), strict=True):
-                tokens[i] = t
-        return [drafts[r.req_id] for r in batch.requests]
 
-    def _capacity(self, request) -> int:
-        return len(request.block_ids) * self.block_size
+        def decode(active: list[int], segments: list[Segment], tokens: list[int]) -> list[int]:
+            hidden = run_segments(self.model, self.layers, segments, tokens, self.block_size, self.device)
+            return self._greedy(hidden)
+
+        # Draft j is fed at position L - 1 + j: the draft's KV slots follow the known tokens.
+        slots = [len(r.token_ids) for r in requests]
+        found = draft_greedily(
+            self._greedy(hidden[last_rows]), slots, requests, batch.num_drafts, self.block_size, decode
+        )
+        drafts.update((r.req_id, d) for r, d in zip(requests, found, strict=True))
+        return [drafts[r.req_id] for r in batch.requests]
 
     def _greedy(self, hidden: torch.Tensor) -> list[int]:
         logits = self.model.compute_logits(hidden).to(torch.float32)  # [n, vocab]

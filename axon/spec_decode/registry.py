@@ -7,10 +7,13 @@ from torch import nn
 
 from axon.config import AxonConfig, replace
 from axon.model.layers.attention import AttentionBackend
+from axon.model.layers.linear import pack_linears
 from axon.model.loader import load_hf_config
 from axon.model.loader.model_loader import load_model
 from axon.spec_decode.config import METHODS, parse_spec_decode_config
 from axon.spec_decode.draft_model import DraftModelProposer
+from axon.spec_decode.eagle3 import load_eagle3
+from axon.spec_decode.eagle3_proposer import Eagle3Proposer
 from axon.spec_decode.proposer import NgramProposer, Proposer
 from axon.startup import startup_phase
 
@@ -38,6 +41,15 @@ def make_proposer(
         with startup_phase(f"loading the draft model {spec.model}"):
             draft = load_model(draft_config, dtype, device, backend, linear_backend, linear_batch_hint)
         return DraftModelProposer(draft, config.cache_config.block_size, device)
+    if spec.method == "eagle3":
+        assert config.model_config.hf_config is not None, "resolve_config() loads the target's config"
+        with startup_phase(f"loading the EAGLE3 head {spec.model}"):
+            head = load_eagle3(spec.model, config.model_config.hf_config, dtype, device, backend)
+            if linear_backend != "torch":
+                # The decoder layer's linears, packed as the target's; fc and lm_head stay
+                # nn.Linear (the head reads fc.weight's dtype).
+                pack_linears(head.midlayer, linear_backend, linear_batch_hint)
+        return Eagle3Proposer(head, target, config.cache_config.block_size, device)
     raise ValueError(
         f"speculative_config.method {spec.method!r} is not supported; supported: {', '.join(METHODS)}"
     )

@@ -7,9 +7,20 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from axon import LLM, SamplingParams
+from axon.engine.arg_utils import create_engine_config
+from axon.model.layers.attention import get_attention_backend
+from axon.model.loader import load_hf_config
 from axon.sampling_params import StructuredOutputsParams
+from axon.spec_decode.eagle3 import (
+    build_eagle3,
+    eagle3_hf_config,
+    init_eagle3_weights,
+    parse_eagle3_config,
+    save_eagle3,
+)
 
 COMMON = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 8}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -37,6 +48,23 @@ def baseline(target: str) -> list[list[int]]:
     return _tokens(LLM(model=target, **COMMON))
 
 
+@pytest.fixture(scope="module")
+def eagle3_head(target: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random EAGLE3 head for the target, drafting from every other token id."""
+    return _save_head(load_hf_config(target), str(tmp_path_factory.mktemp("eagle3-head")))
+
+
+def _save_head(target_hf: dict, folder: str, **overrides) -> str:
+    config = eagle3_hf_config(target_hf, draft_vocab_size=256, aux_layer_ids=(0, 1, 1)) | overrides
+    head = build_eagle3(
+        parse_eagle3_config(config, target_hf), torch.float32, "cpu", get_attention_backend("reference")
+    )
+    init_eagle3_weights(head, seed=0)
+    head.set_vocab_map(torch.arange(0, target_hf["vocab_size"], 2))
+    save_eagle3(head, folder, config)
+    return folder
+
+
 def _spec(method: str, model: str | None = None, k: int = 3) -> dict:
     spec = {"method": method, "num_speculative_tokens": k, "adaptive": False}
     if method == "ngram":
@@ -52,12 +80,13 @@ def _stats(llm: LLM) -> tuple[int, int]:
     return stats.num_draft_tokens, stats.num_accepted_tokens
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_other", "draft_self"])
-def test_greedy_output_is_unchanged(method: str, target: str, tiny_model_dir, baseline) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_other", "draft_self", "eagle3"])
+def test_greedy_output_is_unchanged(method: str, target: str, tiny_model_dir, eagle3_head, baseline) -> None:
     spec = {
         "ngram": _spec("ngram"),
         "draft_other": _spec("draft_model", tiny_model_dir("qwen2")),
         "draft_self": _spec("draft_model", target),
+        "eagle3": _spec("eagle3", eagle3_head),
     }[method]
     llm = LLM(model=target, speculative_config=spec, **COMMON)
     assert _tokens(llm) == baseline
@@ -104,10 +133,11 @@ def test_penalties_logprobs_and_seeds(target: str) -> None:
     assert _tokens(spec, params=seeded) == _tokens(spec, params=seeded)
 
 
-def test_preemption_mid_verification(target: str, baseline) -> None:
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_preemption_mid_verification(method: str, target: str, eagle3_head, baseline) -> None:
     llm = LLM(
         model=target,
-        speculative_config=_spec("draft_model", target),
+        speculative_config=_spec(method, target if method == "draft_model" else eagle3_head),
         num_gpu_blocks_override=10,
         admission_kv_limit=False,
         max_num_batched_tokens=64,
@@ -116,6 +146,37 @@ def test_preemption_mid_verification(target: str, baseline) -> None:
     assert _tokens(llm) == baseline
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     llm.llm_engine.engine_core.scheduler.kv_cache_manager.check_integrity()
+
+
+def test_eagle3_catches_up_over_prefill_segments(target: str, eagle3_head) -> None:
+    """A prompt prefilled in chunks beside decoding requests: its segments' rows reach the head
+    in steps that draft for the others, or wait for a later one."""
+    long_prompt = {"prompt_token_ids": [(7 * i + 3) % 500 for i in range(70)]}
+    prompts = [*PROMPTS, long_prompt]
+    chunked = COMMON | {"max_num_batched_tokens": 32}
+    plain = _tokens(LLM(model=target, **chunked), prompts)
+    llm = LLM(model=target, speculative_config=_spec("eagle3", eagle3_head), **chunked)
+    assert _tokens(llm, prompts) == plain
+    assert _stats(llm)[0] > 0
+
+
+def test_eagle3_compiled_equals_eager(target: str, eagle3_head, tmp_path) -> None:
+    """The target's graphs return its aux hidden states too."""
+    buckets = {"max_num_seqs": 4, "num_seqs_buckets": [4], "max_num_batched_tokens": 32}
+    options = COMMON | buckets | {"speculative_config": _spec("eagle3", eagle3_head)}
+    eager = _tokens(LLM(model=target, **options), PROMPTS)
+    llm = LLM(model=target, enforce_eager=False, bucket_compile="warmup", cache_root=str(tmp_path), **options)
+    compiler = llm.llm_engine.engine_core.executor.worker.compiler
+    assert compiler.stats.records and not compiler.stats.failures
+    assert _tokens(llm, PROMPTS) == eager
+    assert compiler.stats.graph_steps > 0
+
+
+def test_eagle3_head_of_another_width_fails_at_start_up(target: str, tmp_path) -> None:
+    target_hf = load_hf_config(target)
+    narrow = _save_head(target_hf | {"hidden_size": 32, "head_dim": 8}, str(tmp_path / "head"))
+    with pytest.raises(ValueError, match="hidden_size 32 differs from the target's hidden_size 64"):
+        create_engine_config(model=target, speculative_config=_spec("eagle3", narrow))
 
 
 def test_structured_outputs_with_speculation(smollm2_path: str) -> None:
