@@ -221,39 +221,54 @@ constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileSteps = 16;  // input pairs (32 inputs) per tile product
 
 // 16 rows (x, ldx elements apart) times one panel over the first K2T steps (a multiple of 16)
-// into c (16 x 64 float32). The rest of the panel's steps (K2 - K2T < 16) is added with
-// vdpbf16ps after the tiles, for the valid rows only: the same order for every row count.
+// into c (16 x 64 float32), one half of the panel (two blocks) at a time: two accumulators, two
+// A tiles and four B tiles, so each pass has four independent weight loads in flight (with four
+// accumulators and three B tiles every load waited for the product before it). The rest of the
+// panel's steps (K2 - K2T < 16) is added with vdpbf16ps after the tiles, for the valid rows
+// only: the same order for every row count.
 inline void panel_tiles(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, int64_t K2T,
                         const uint16_t* next, float* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
   constexpr int64_t kStepBytes = kStepElems * 2;
   const int64_t next_lines = next != nullptr ? K2 * kStepBytes / 64 : 0;
-  const int64_t lines_per_tile = K2T > 0 ? (next_lines + K2T / kTileSteps - 1) / (K2T / kTileSteps) : 0;
+  const int64_t iterations = 2 * std::max<int64_t>(1, K2T / kTileSteps);
+  const int64_t lines_per_iteration = (next_lines + iterations - 1) / iterations;
+  const char* nb = reinterpret_cast<const char*>(next);
   int64_t fetched = 0;
-  for (int64_t k2 = 0; k2 < K2T; k2 += kTileSteps) {
-    const uint16_t* step = panel + k2 * kStepElems;
-    _tile_loadd(4, x + 2 * k2, ldx * 2);
-    _tile_loadd(5, step, kStepBytes);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, step + 32, kStepBytes);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, step + 64, kStepBytes);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, step + 96, kStepBytes);
-    _tile_dpbf16ps(3, 4, 5);
-    // Stream the thread's next panel into L2 while this one computes.
-    const char* nb = reinterpret_cast<const char*>(next);
-    for (int64_t i = 0; i < lines_per_tile && fetched < next_lines; ++i, ++fetched) {
-      _mm_prefetch(nb + 64 * fetched, _MM_HINT_T1);
+  for (int half = 0; half < 2; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    const uint16_t* base = panel + 64 * half;
+    int64_t k2 = 0;
+    for (; k2 + 2 * kTileSteps <= K2T; k2 += 2 * kTileSteps) {
+      const uint16_t* step = base + k2 * kStepElems;
+      const uint16_t* step2 = step + kTileSteps * kStepElems;
+      _tile_loadd(2, step, kStepBytes);
+      _tile_loadd(3, step + 32, kStepBytes);
+      _tile_loadd(6, step2, kStepBytes);
+      _tile_loadd(7, step2 + 32, kStepBytes);
+      _tile_loadd(4, x + 2 * k2, ldx * 2);
+      _tile_loadd(5, x + 2 * (k2 + kTileSteps), ldx * 2);
+      // The sums keep panel_tiles_pair's order: step k2's product, then step k2 + 16's.
+      _tile_dpbf16ps(0, 4, 2);
+      _tile_dpbf16ps(1, 4, 3);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_dpbf16ps(1, 5, 7);
+      // Stream the thread's next panel into L2 while this one computes.
+      for (int64_t i = 0; i < 2 * lines_per_iteration && fetched < next_lines; ++i, ++fetched) {
+        _mm_prefetch(nb + 64 * fetched, _MM_HINT_T1);
+      }
     }
+    if (k2 < K2T) {  // an odd number of tile steps
+      const uint16_t* step = base + k2 * kStepElems;
+      _tile_loadd(2, step, kStepBytes);
+      _tile_loadd(3, step + 32, kStepBytes);
+      _tile_loadd(4, x + 2 * k2, ldx * 2);
+      _tile_dpbf16ps(0, 4, 2);
+      _tile_dpbf16ps(1, 4, 3);
+    }
+    _tile_stored(0, c + 32 * half, kGroupCols * 4);
+    _tile_stored(1, c + 32 * half + 16, kGroupCols * 4);
   }
-  _tile_stored(0, c, kGroupCols * 4);
-  _tile_stored(1, c + 16, kGroupCols * 4);
-  _tile_stored(2, c + 32, kGroupCols * 4);
-  _tile_stored(3, c + 48, kGroupCols * 4);
 }
 
 // Two 16-row blocks (x0, x1) times one half of a panel (blocks 2 * half and 2 * half + 1) into
@@ -290,10 +305,21 @@ void run_linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* pac
                     out_t* y) {
   const int64_t groups = (N + kGroupCols - 1) / kGroupCols, K2 = K / 2;
   const int64_t K2T = K2 / kTileSteps * kTileSteps;
-  // The rows past the last full 16 are copied into a zero-padded block of 16, once.
+  // The rows past the last full 16 are copied into a zero-padded block of 16, once per call, in
+  // a buffer kept per calling thread (allocating it each call cost a decode step's small layers
+  // a fifth of their time). Only its first ``tail_dirty`` elements can be non-zero, so a decode
+  // step copies its one row and clears nothing.
   const int64_t full = M / kTileRows * kTileRows;
-  std::vector<uint16_t> tail(M > full ? kTileRows * K : 0, 0);
-  if (M > full) std::memcpy(tail.data(), x + full * K, (M - full) * K * sizeof(uint16_t));
+  thread_local std::vector<uint16_t> tail;
+  thread_local int64_t tail_dirty = 0;
+  if (M > full) {
+    if (static_cast<int64_t>(tail.size()) < kTileRows * K) tail.resize(kTileRows * K, 0);
+    const int64_t written = (M - full) * K;
+    std::memcpy(tail.data(), x + full * K, written * sizeof(uint16_t));
+    if (tail_dirty > written) std::memset(tail.data() + written, 0, (tail_dirty - written) * sizeof(uint16_t));
+    tail_dirty = written;
+  }
+  const uint16_t* padded = tail.data();  // this thread's buffer, read by the pool's threads
   const int64_t grain = std::max<int64_t>(1, groups / (4 * at::get_num_threads()));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
@@ -307,7 +333,7 @@ void run_linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* pac
         // Two whole blocks of rows at a time where there are two, else one (padded).
         const bool pair = m0 + 2 * kTileRows <= std::min(full, chunk_end);
         const int64_t rows = pair ? 2 * kTileRows : std::min(kTileRows, M - m0);
-        const uint16_t* xm = m0 < full ? x + m0 * K : tail.data();
+        const uint16_t* xm = m0 < full ? x + m0 * K : padded;
         if (pair) {
           panel_tiles_pair(xm, xm + kTileRows * K, K, panel, K2T, 0, c);
           panel_tiles_pair(xm, xm + kTileRows * K, K, panel, K2T, 1, c);
