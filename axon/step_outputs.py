@@ -37,11 +37,25 @@ class SpecDecodingStats(msgspec.Struct):
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
-        per_pos = self.num_accepted_tokens_per_pos
-        if len(per_pos) < num_drafts:
-            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        per_pos = self._positions(num_drafts)
         for i in range(num_accepted):
             per_pos[i] += 1
+
+    def add(self, other: SpecDecodingStats) -> None:
+        """Fold in a later report's counts (the front end sums the core's reports)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self._positions(len(other.num_accepted_tokens_per_pos))
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[i] += n
+
+    def _positions(self, num_positions: int) -> list[int]:
+        """The per-position counts, at least ``num_positions`` long (the draft length varies)."""
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_positions:
+            per_pos.extend([0] * (num_positions - len(per_pos)))
+        return per_pos
 
     def take(self) -> SpecDecodingStats:
         """These counts, and start counting afresh."""

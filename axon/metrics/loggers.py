@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from axon.metrics.spec_decode import SpecDecodingLogging
 from axon.metrics.stats import IterationStats
 from axon.step_outputs import SchedulerStats
 
@@ -18,6 +19,7 @@ class LoggingStatLogger:
     Running, waiting and KV usage are the core's latest report. The prefix-cache hit rate is
     over the logger's lifetime (hits / queried tokens), 0 until anything was queried.
     A line is skipped when no token was processed since the last one and nothing runs or waits.
+    With speculation on, vLLM's "SpecDecoding metrics" line follows, over the same interval.
     """
 
     def __init__(self, engine_index: int = 0) -> None:
@@ -25,6 +27,7 @@ class LoggingStatLogger:
         self.last_scheduler_stats = SchedulerStats()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec_decoding = SpecDecodingLogging()
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
@@ -37,6 +40,8 @@ class LoggingStatLogger:
             self.last_scheduler_stats = scheduler_stats
             self.prefix_cache_queries += scheduler_stats.prefix_cache_queries
             self.prefix_cache_hits += scheduler_stats.prefix_cache_hits
+            if scheduler_stats.spec_decoding is not None:
+                self.spec_decoding.observe(scheduler_stats.spec_decoding)
         if iteration_stats is not None:
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
@@ -61,4 +66,5 @@ class LoggingStatLogger:
             stats.kv_cache_usage * 100,
             hit_rate * 100,
         )
+        self.spec_decoding.log(elapsed)
         self._reset(now)

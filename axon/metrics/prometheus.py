@@ -7,7 +7,8 @@ process do not collide; the server exposes it with ``render_metrics(logger.regis
 
 Counter semantics of the inputs (see ``SchedulerStats``): ``prefix_cache_queries`` and
 ``prefix_cache_hits`` are deltas since the core's previous report, ``num_preemptions`` is the
-core's running total, so only its increase is counted.
+core's running total, so only its increase is counted. ``spec_decoding`` holds deltas too; its
+counters exist only when the logger is built with ``num_speculative_tokens`` (speculation on).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
 
 from axon.metrics.execution import ExecutionMetrics
+from axon.metrics.spec_decode import SpecDecodingProm
 from axon.metrics.stats import FinishedRequestStats, IterationStats
 from axon.step_outputs import SchedulerStats
 
@@ -72,6 +74,7 @@ class PrometheusStatLogger:
         max_model_len: int = 8192,
         engine_index: int = 0,
         cache_config_info: Mapping[str, object] | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labelnames = ["model_name", "engine"]
@@ -81,6 +84,11 @@ class PrometheusStatLogger:
         self._make_counters()
         self._make_histograms(max_model_len)
         self.execution = ExecutionMetrics(self.registry, self.labelnames, self.labelvalues)
+        self.spec_decoding = (
+            SpecDecodingProm(self.registry, self.labelnames, self.labelvalues, num_speculative_tokens)
+            if num_speculative_tokens
+            else None
+        )
 
     # ---- the extension point -----------------------------------------------------------------
     def register(self, collector: Collector) -> None:
@@ -104,6 +112,8 @@ class PrometheusStatLogger:
     # ---- internals -----------------------------------------------------------------------
     def _record_scheduler(self, stats: SchedulerStats) -> None:
         self.execution.record(stats)
+        if self.spec_decoding is not None and stats.spec_decoding is not None:
+            self.spec_decoding.record(stats.spec_decoding)
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)

@@ -16,7 +16,7 @@ from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from axon.pooling_params import PoolingParams
 from axon.sampling_params import INT64_MAX, INT64_MIN, UINT64_MAX, SamplingParams, StructuredOutputsParams
 from axon.scheduler_output import BucketStep, CompileEvent, LogprobsLists
-from axon.step_outputs import EngineCoreOutput, SchedulerStats
+from axon.step_outputs import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 
 VOCAB, EOS = 49152, 2
 
@@ -156,6 +156,14 @@ core_outputs = st.builds(
         num_running_reqs=st.integers(0, 256),
         num_waiting_reqs=st.integers(0, 256),
         kv_cache_usage=st.floats(0, 1),
+        spec_decoding=st.none()
+        | st.builds(
+            SpecDecodingStats,
+            st.integers(0, 999),
+            st.integers(0, 9999),
+            st.integers(0, 9999),
+            st.lists(st.integers(0, 999), max_size=5),
+        ),
         bucket=st.none()
         | st.builds(BucketStep, st.text(max_size=12), st.integers(0, 9999), st.integers(0, 9999)),
         compiles=st.lists(

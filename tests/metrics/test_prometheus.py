@@ -220,9 +220,8 @@ def test_cache_config_info() -> None:
 
 
 # ---- LoggingStatLogger ---------------------------------------------------------------------------
-def test_logging_line(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr("axon.metrics.loggers.time.monotonic", lambda: clock[0])
+def test_logging_line(caplog: pytest.LogCaptureFixture, clock: list[float]) -> None:
+    clock[0] = 1000.0
     stat_logger = LoggingStatLogger()
     for scheduler_stats, it in two_requests_lifecycle()[:3]:
         stat_logger.record(scheduler_stats, it)
@@ -238,10 +237,8 @@ def test_logging_line(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.Monk
 
 
 def test_logging_counts_only_since_the_last_line_and_skips_idle(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture, clock: list[float]
 ) -> None:
-    clock = [0.0]
-    monkeypatch.setattr("axon.metrics.loggers.time.monotonic", lambda: clock[0])
     stat_logger = LoggingStatLogger()
     steps = two_requests_lifecycle()
     caplog.set_level(logging.INFO, logger="axon.metrics")

@@ -100,10 +100,12 @@ class ServerState:
         self.served_model_names = served_model_names
         self.chat_template = cli_args.load_chat_template(args.chat_template)
         assert config.model_config.max_model_len is not None
+        spec = config.speculative_config.speculative_config  # resolved: vLLM's keys, or None
         self.prometheus = PrometheusStatLogger(
             served_model_names[0],
             max_model_len=config.model_config.max_model_len,
             cache_config_info=dataclasses.asdict(config.cache_config),
+            num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0,
         )
         self.stat_loggers: list[StatLogger] = [self.prometheus]
         if not config.observability_config.disable_log_stats:
