@@ -93,17 +93,17 @@ def parse_spec_decode_config(options: dict[str, Any] | None) -> SpecDecodeConfig
     method = _method(options.get("method"), model)
     if method != "ngram" and model is None:
         raise _fail("model", f"is required for method {method!r} (the draft's folder)")
-    if model is not None and not os.path.exists(os.path.expanduser(model)):
-        raise _fail("model", f"{model!r} does not exist (a local folder or .gguf file; axon never downloads)")
     if method == "ngram" and model is not None:
         raise _fail("model", "does not apply to method 'ngram' (it drafts from the request's own tokens)")
+    if model is not None and not os.path.exists(os.path.expanduser(model)):
+        raise _fail("model", f"{model!r} does not exist (a local folder or .gguf file; axon never downloads)")
     lo = _positive_int(options, "prompt_lookup_min")
     hi = _positive_int(options, "prompt_lookup_max")
     lo, hi = (lo or hi or 5), (hi or lo or 5)
     if lo > hi:
         raise _fail("prompt_lookup_min", f"{lo} exceeds prompt_lookup_max {hi}")
-    tp = options.get("draft_tensor_parallel_size", 1)
-    if tp != 1:
+    tp = options.get("draft_tensor_parallel_size")
+    if tp not in (None, 1) or isinstance(tp, bool):  # None: vLLM's default (the target's, here 1)
         raise _fail("draft_tensor_parallel_size", f"must be 1 (the draft runs beside the target), got {tp!r}")
     adaptive = options.get("adaptive", True)
     if not isinstance(adaptive, bool):
@@ -126,6 +126,8 @@ def _method(method: Any, model: str | None) -> str:
         if os.path.isfile(os.path.expanduser(model)):
             return "draft_model"  # a .gguf file
         return "eagle3" if _architectures(model) & set(EAGLE3_ARCHITECTURES) else "draft_model"
+    if not isinstance(method, str):
+        raise _fail("method", f"must be a string, one of {', '.join(METHODS)}; got {method!r}")
     method = _ALIASES.get(method, method)
     if method not in METHODS:
         raise _fail("method", f"{method!r} is not supported; supported: {', '.join(METHODS)}")

@@ -27,6 +27,16 @@ from axon.spec_decode.policy import DraftPolicy
             {"method": "eagle3", "num_speculative_tokens": 2, "model": "/nonexistent"},
             "speculative_config.model",
         ),
+        # Once a TypeError (unhashable) with a traceback out of `axon serve`.
+        ({"method": ["ngram"], "num_speculative_tokens": 2}, "speculative_config.method"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "model": ""},
+            "speculative_config.model does not apply",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+            "speculative_config.draft_tensor_parallel_size",
+        ),
     ],
 )
 def test_bad_options_name_the_field(options: dict, field: str) -> None:
@@ -40,6 +50,10 @@ def test_vllm_defaults() -> None:
     spec = parse_spec_decode_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
     assert spec is not None and (spec.prompt_lookup_min, spec.prompt_lookup_max) == (4, 4)
     assert parse_spec_decode_config(None) is None
+    # vLLM's default draft_tensor_parallel_size is None (the target's): accepted as 1.
+    assert parse_spec_decode_config(
+        {"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": None}
+    )
 
 
 def test_method_is_inferred_from_the_model(tmp_path) -> None:
