@@ -140,10 +140,9 @@ def worker_main(spec_path: str) -> None:
     kwargs: dict[str, Any] = {"dtype": spec["dtype"], "max_model_len": 2048}
     if spec["speculative_config"]:
         kwargs["speculative_config"] = spec["speculative_config"]
+    kwargs["enable_prefix_caching"] = False
     if engine == "vllm":
-        kwargs |= {"enable_prefix_caching": False, "disable_log_stats": False}
-    else:
-        kwargs |= {"enable_prefix_caching": False}
+        kwargs["disable_log_stats"] = False  # its spec-decode counters come from the stats
     start = time.perf_counter()
     llm = LLM(model=spec["folder"], **kwargs)
     load_s = time.perf_counter() - start

@@ -382,6 +382,21 @@ bool set_linear_amx(bool enabled) { return use_amx.exchange(enabled); }
 
 bool linear_uses_amx() { return use_amx.load() && linear_amx_available(); }
 
+#if defined(__AVX512BF16__)
+// AMX tiles where the CPU has them and they are not turned off, else AVX-512 BF16.
+template <typename out_t>
+void run_linear_on_best_path(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
+                             const float* bias, out_t* y) {
+#if defined(AXON_AMX)
+  if (linear_uses_amx()) {
+    run_linear_amx<out_t>(x, M, K, packed, N, bias, y);
+    return;
+  }
+#endif
+  run_linear<out_t>(x, M, K, packed, N, bias, y);
+}
+#endif
+
 // x [..., K] bf16 (rows contiguous), packed from pack_linear_weight of an [N, K] weight
 // -> [..., N] in out_dtype (bfloat16 or float32), plus bias (any float dtype) if given.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
@@ -405,20 +420,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr<c10::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-#if defined(AXON_AMX)
-  if (linear_uses_amx()) {
-    if (float_out) {
-      run_linear_amx<float>(xp, M, K, wp, N, b, y.data_ptr<float>());
-    } else {
-      run_linear_amx<c10::BFloat16>(xp, M, K, wp, N, b, y.data_ptr<c10::BFloat16>());
-    }
-    return y;
-  }
-#endif
   if (float_out) {
-    run_linear<float>(xp, M, K, wp, N, b, y.data_ptr<float>());
+    run_linear_on_best_path<float>(xp, M, K, wp, N, b, y.data_ptr<float>());
   } else {
-    run_linear<c10::BFloat16>(xp, M, K, wp, N, b, y.data_ptr<c10::BFloat16>());
+    run_linear_on_best_path<c10::BFloat16>(xp, M, K, wp, N, b, y.data_ptr<c10::BFloat16>());
   }
   return y;
 #else
