@@ -157,7 +157,9 @@ class Scheduler:
 
         self._promote_ready_grammars()
         if self.draft_policy is not None:
-            self.num_lookahead_tokens = self.draft_policy.num_drafts(len(self.running) + len(self.waiting))
+            # the batch the coming decode steps hold: who runs plus who is admitted, up to max_num_seqs
+            batch = min(len(self.running) + len(self.waiting), self.max_running)
+            self.num_lookahead_tokens = self.draft_policy.num_drafts(batch)
         budget = self._schedule_running(budget, num_scheduled, cached, preempted, spec_tokens)
         if not preempted:
             self._admit_waiting(budget, num_scheduled, new_reqs)

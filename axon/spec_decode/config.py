@@ -65,6 +65,9 @@ def _fail(key: str, why: str) -> ValueError:
     return ValueError(f"speculative_config.{key} {why}")
 
 
+MAX_SPECULATIVE_TOKENS = 16  # also bounds the per-position metric series
+
+
 def _positive_int(options: dict[str, Any], key: str, required: bool = False) -> int | None:
     value = options.get(key)
     if value is None:
@@ -87,6 +90,12 @@ def parse_spec_decode_config(options: dict[str, Any] | None) -> SpecDecodeConfig
         raise _fail(unknown[0], f"is not a supported key; supported: {', '.join(sorted(_KNOWN_KEYS))}")
     k = _positive_int(options, "num_speculative_tokens", required=True)
     assert k is not None
+    if k > MAX_SPECULATIVE_TOKENS:
+        raise _fail(
+            "num_speculative_tokens",
+            f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k} (acceptance of a draft position "
+            "falls geometrically: past a few tokens each extra draft is verified work that is rejected)",
+        )
     model = options.get("model")
     if model is not None and not isinstance(model, str):
         raise _fail("model", f"must be a path, got {model!r}")

@@ -899,3 +899,29 @@ def test_grammar_requests_are_not_scheduled_ahead() -> None:
     assert not sched.can_schedule_ahead()
     sched.schedule()
     assert not sched.can_schedule_ahead()  # running now
+
+
+def test_draft_policy_sees_the_batch_that_can_run_not_the_queue() -> None:
+    """A queue longer than max_num_seqs does not switch speculation off for the few that run."""
+    from axon.spec_decode.config import SpecDecodeConfig
+
+    seen: list[int] = []
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        64,
+        64,
+        spec_config=SpecDecodeConfig(method="ngram", num_speculative_tokens=2),
+    )
+    assert sched.draft_policy is not None
+    real = sched.draft_policy.num_drafts
+
+    def spy(batch_size: int) -> int:
+        seen.append(batch_size)
+        return real(batch_size)
+
+    sched.draft_policy.num_drafts = spy  # type: ignore[method-assign]
+    for i in range(40):
+        sched.add_request(make_request(f"r{i}", prompt(4, 100 * i)))
+    sched.schedule()
+    assert seen == [2]

@@ -17,6 +17,7 @@ from axon.spec_decode.policy import DraftPolicy
         ({"method": "medusa", "num_speculative_tokens": 3}, "speculative_config.method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
         ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens must be at most 16"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "speculative_config.lookahead"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
         (
