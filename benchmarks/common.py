@@ -147,6 +147,28 @@ def vllm_cpu_env(vllm_python: str, kv_space_gib: float = 4, threads_bind: str = 
     )
 
 
+def run_json_worker(
+    cmd: Sequence[str], spec: dict[str, Any], stem: str, env: dict[str, str], cwd: str, timeout: float
+) -> dict[str, Any] | str:
+    """Run one benchmark worker: ``spec`` (with ``out`` set to ``{stem}.result.json``) goes to
+    ``{stem}.spec.json``, whose path is appended to ``cmd``; output goes to ``{stem}.log``. Returns
+    the worker's result, or an error naming the log."""
+    spec["out"] = f"{stem}.result.json"
+    with open(f"{stem}.spec.json", "w") as f:
+        json.dump(spec, f)
+    if os.path.exists(spec["out"]):  # a result left by an earlier run in the same folder
+        os.remove(spec["out"])
+    with open(f"{stem}.log", "w") as log:
+        proc = subprocess.run(
+            [*cmd, f"{stem}.spec.json"], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+            timeout=timeout, check=False,
+        )  # fmt: skip
+    if proc.returncode != 0 or not os.path.exists(spec["out"]):
+        return f"exit code {proc.returncode}; see {stem}.log"
+    with open(spec["out"]) as f:
+        return json.load(f)
+
+
 def cpu_summary() -> str:
     """The CPU's model name, core count and the vector/matrix flags that decide kernel speed."""
     name, flags = "unknown CPU", set()

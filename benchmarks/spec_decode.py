@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from benchmarks.common import (
     markdown_table,
     model_folder,
     random_prompts,
+    run_json_worker,
     vllm_cpu_env,
     vocab_size,
 )
@@ -216,21 +216,11 @@ def run_worker(workload: str, engine: str, method: str, args: argparse.Namespace
     spec = {
         "engine": engine, "workload": workload, "folder": folder, "dtype": args.dtype, "runs": args.runs,
         "max_tokens": args.max_tokens, "speculative_config": method_config(method, args),
-        "out": f"{stem}.result.json",
     }  # fmt: skip
-    with open(f"{stem}.spec.json", "w") as f:
-        json.dump(spec, f)
     python = sys.executable if engine == "axon" else args.vllm_python
     env = dict(os.environ) if engine == "axon" else vllm_cpu_env(args.vllm_python)
-    with open(f"{stem}.log", "w") as log:
-        proc = subprocess.run(
-            [python, THIS_FILE, "--worker", f"{stem}.spec.json"], env=env, stdout=log,
-            stderr=subprocess.STDOUT, cwd=REPO_ROOT, timeout=args.worker_timeout, check=False,
-        )  # fmt: skip
-    if proc.returncode != 0 or not os.path.exists(spec["out"]):
-        return {"error": f"exit code {proc.returncode}; see {stem}.log"}
-    with open(spec["out"]) as f:
-        return json.load(f)
+    out = run_json_worker([python, THIS_FILE, "--worker"], spec, stem, env, REPO_ROOT, args.worker_timeout)
+    return {"error": out} if isinstance(out, str) else out
 
 
 def tok_s(result: dict[str, Any]) -> float:

@@ -45,6 +45,7 @@ from benchmarks.common import (
     markdown_table,
     model_folder,
     random_prompts,
+    run_json_worker,
     time_call,
     vllm_cpu_env,
     vocab_size,
@@ -287,21 +288,16 @@ def run_worker(w: Workload, engine: str, args: argparse.Namespace) -> EngineRun:
         except RuntimeError as e:
             return EngineRun(w.name, engine, error=str(e))
     stem = os.path.join(args.log_dir, f"{w.name}-{engine}")
-    spec["out"] = f"{stem}.result.json"
-    with open(f"{stem}.spec.json", "w") as f:
-        json.dump(spec, f)
-    if os.path.exists(spec["out"]):
-        os.remove(spec["out"])
-    cmd = [engine_python(engine, args), THIS_FILE, "--worker", f"{stem}.spec.json"]
-    with open(f"{stem}.log", "w") as log:
-        proc = subprocess.run(
-            cmd, env=engine_env(engine, args), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-            timeout=args.worker_timeout, check=False,
-        )  # fmt: skip
-    if proc.returncode != 0 or not os.path.exists(spec["out"]):
-        return EngineRun(w.name, engine, error=f"exit code {proc.returncode}; see {stem}.log")
-    with open(spec["out"]) as f:
-        out = json.load(f)
+    out = run_json_worker(
+        [engine_python(engine, args), THIS_FILE, "--worker"],
+        spec,
+        stem,
+        engine_env(engine, args),
+        REPO_ROOT,
+        args.worker_timeout,
+    )
+    if isinstance(out, str):
+        return EngineRun(w.name, engine, error=out)
     if not out["lengths_ok"]:
         return EngineRun(w.name, engine, error=f"expected {w.output_len} new tokens, got {out['lengths']}")
     return EngineRun(w.name, engine, out["load_s"], out["run_s"], out["ttft_s"], note=out["note"])
