@@ -47,7 +47,18 @@ class ModelConfig:
     pooler_config: dict[str, Any] | None = None
     """Pooling models only, JSON: {"pooling_type": "LAST"|"MEAN"|"CLS"|"MAX", "normalize": bool,
     "instruction": str}; see axon/model/pooler.py, which checks it."""
+    quantization: str | None = None
+    """How linear weights are stored (vLLM's flag): int8 | int4 | fp8 | gguf; None: as loaded.
+    int8: signed 8-bit codes, one scale per output channel (W8A16); int4: codes 0..15 with a
+    scale and a minimum per group of inputs (W4A16); fp8: FP8 E4M3 codes, one scale per output
+    channel; all three computed at load. gguf: a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K,
+    Q5_K, Q6_K), kept quantized. Every linear layer, the LM head included."""
+    quantization_group_size: int | None = None
+    """int8 and int4: inputs per scale, a multiple of 16 that divides every layer's inputs; None:
+    int4 128 (or the largest power of two under it that divides a layer's inputs), int8 one
+    scale per output channel."""
     # Resolved by resolve_config(), never set by users:
+    gguf_file: str | None = None  # the GGUF file the model came from, if it did
     model_path: str | None = None  # the HF folder actually loaded (a GGUF file is converted once)
     hf_config: dict[str, Any] | None = field(default=None, repr=False)
 
@@ -105,6 +116,7 @@ EXECUTOR_BACKENDS = ("uni",)  # see axon/executor/abstract.py
 PLANNED_EXECUTOR_BACKENDS = ("mp", "ray")  # vLLM's names, for the parallelism issue
 BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
 LINEAR_BACKENDS = ("auto", "cpu_bf16", "onednn", "torch")  # see axon/model/layers/linear.py
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "gguf")  # see axon/model/layers/quant.py
 
 
 @dataclass(frozen=True)
@@ -190,7 +202,7 @@ class AxonConfig:
     additional_config: dict[str, Any] = field(default_factory=dict)
 
 
-_RESOLVED_ONLY = {"model_path", "hf_config"}
+_RESOLVED_ONLY = {"model_path", "hf_config", "gguf_file"}
 # vLLM options whose feature is not built yet: named so that their flags parse and `--help` lists
 # them, and refused when set (silently ignoring them would give users something they did not ask for).
 NOT_IMPLEMENTED_OPTIONS = ("kv_transfer_config", "enable_expert_parallel")
@@ -289,6 +301,25 @@ def validate_config(config: AxonConfig) -> None:
         "load_format",
         m.load_format,
         "must be one of auto, safetensors, gguf, dummy",
+    )
+    need(
+        m.quantization in (None, *QUANTIZATION_METHODS),
+        "quantization",
+        m.quantization,
+        f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset)",
+    )
+    need(
+        m.quantization_group_size is None
+        or (m.quantization_group_size >= 16 and m.quantization_group_size % 16 == 0),
+        "quantization_group_size",
+        m.quantization_group_size,
+        "must be a positive multiple of 16",
+    )
+    need(
+        m.quantization_group_size is None or m.quantization in ("int8", "int4"),
+        "quantization_group_size",
+        m.quantization_group_size,
+        "applies only to quantization int8 or int4",
     )
     need(
         m.runner in ("auto", "generate", "pooling"),

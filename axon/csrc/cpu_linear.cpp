@@ -208,13 +208,21 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC sees only the first byte of the config read by _tile_loadconfig and drops the stores to
+// the rest as dead (leaving every tile zero-sized: the next tile instruction faults); the empty
+// asm that may read all memory keeps them.
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 constexpr int64_t kTileRows = 16;
@@ -300,15 +308,11 @@ inline void panel_tiles_pair(const uint16_t* x0, const uint16_t* x1, int64_t ldx
   _tile_stored(3, ch + kTileRows * kGroupCols + 16, kGroupCols * 4);
 }
 
-template <typename out_t>
-void run_linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
-                    out_t* y) {
-  const int64_t groups = (N + kGroupCols - 1) / kGroupCols, K2 = K / 2;
-  const int64_t K2T = K2 / kTileSteps * kTileSteps;
-  // The rows past the last full 16 are copied into a zero-padded block of 16, once per call, in
-  // a buffer kept per calling thread (allocating it each call cost a decode step's small layers
-  // a fifth of their time). Only its first ``tail_dirty`` elements can be non-zero, so a decode
-  // step copies its one row and clears nothing.
+// The rows past the last full 16 of x [M, K], copied into a zero-padded block of 16 rows, once
+// per call, in a buffer kept per calling thread (allocating it each call cost a decode step's
+// small layers a fifth of their time) and read by the pool's threads. Only its first
+// ``tail_dirty`` elements can be non-zero, so a decode step copies its one row and clears nothing.
+const uint16_t* padded_tail_rows(const uint16_t* x, int64_t M, int64_t K) {
   const int64_t full = M / kTileRows * kTileRows;
   thread_local std::vector<uint16_t> tail;
   thread_local int64_t tail_dirty = 0;
@@ -319,7 +323,16 @@ void run_linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* pac
     if (tail_dirty > written) std::memset(tail.data() + written, 0, (tail_dirty - written) * sizeof(uint16_t));
     tail_dirty = written;
   }
-  const uint16_t* padded = tail.data();  // this thread's buffer, read by the pool's threads
+  return tail.data();
+}
+
+template <typename out_t>
+void run_linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
+                    out_t* y) {
+  const int64_t groups = (N + kGroupCols - 1) / kGroupCols, K2 = K / 2;
+  const int64_t K2T = K2 / kTileSteps * kTileSteps;
+  const int64_t full = M / kTileRows * kTileRows;
+  const uint16_t* padded = padded_tail_rows(x, M, K);
   const int64_t grain = std::max<int64_t>(1, groups / (4 * at::get_num_threads()));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
@@ -397,15 +410,12 @@ void run_linear_on_best_path(const uint16_t* x, int64_t M, int64_t K, const uint
 }
 #endif
 
-// x [..., K] bf16 (rows contiguous), packed from pack_linear_weight of an [N, K] weight
-// -> [..., N] in out_dtype (bfloat16 or float32), plus bias (any float dtype) if given.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                         const std::optional<at::Tensor>& bias, bool float_out) {
-#if defined(__AVX512BF16__)
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_linear takes bfloat16 input, got ", x.scalar_type());
+// What every linear op does around its kernel: x [..., K] bf16 (rows made contiguous) ->
+// y [..., N] in float32 or bf16, the bias as float32; ``run(x_rows, M, K, bias, y)`` fills y.
+template <typename Run>
+at::Tensor linear_call(const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& bias, bool float_out,
+                       const Run& run) {
   const int64_t K = x.size(-1);
-  TORCH_CHECK(K % 2 == 0 && packed.numel() == (N + kGroupCols - 1) / kGroupCols * K * kGroupCols,
-              "packed weight does not match ", N, " outputs of ", K, " inputs");
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
   const int64_t M = rows.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -419,17 +429,33 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   }
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr<c10::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   if (float_out) {
-    run_linear_on_best_path<float>(xp, M, K, wp, N, b, y.data_ptr<float>());
+    run(xp, M, K, b, y.data_ptr<float>());
   } else {
-    run_linear_on_best_path<c10::BFloat16>(xp, M, K, wp, N, b, y.data_ptr<c10::BFloat16>());
+    run(xp, M, K, b, y.data_ptr<c10::BFloat16>());
   }
   return y;
+}
+
+// x [..., K] bf16 (rows contiguous), packed from pack_linear_weight of an [N, K] weight
+// -> [..., N] in out_dtype (bfloat16 or float32), plus bias (any float dtype) if given.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias, bool float_out) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_linear takes bfloat16 input, got ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % 2 == 0 && packed.numel() == (N + kGroupCols - 1) / kGroupCols * K * kGroupCols,
+              "packed weight does not match ", N, " outputs of ", K, " inputs");
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  return linear_call(x, N, bias, float_out, [&](const uint16_t* xp, int64_t M, int64_t K, const float* b, auto* y) {
+    run_linear_on_best_path(xp, M, K, wp, N, b, y);
+  });
 #else
   TORCH_CHECK(false, "packed_linear needs a CPU with AVX-512 BF16 (see linear_supported())");
 #endif
 }
+
+#include "cpu_linear_quant.h"
 
 }  // namespace
 
@@ -440,6 +466,9 @@ TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
   m.def("set_linear_amx(bool enabled) -> bool");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float_out) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor codes, int kind, Tensor scales, Tensor? mins, int group, int N, Tensor? bias, "
+      "bool float_out) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {
@@ -452,6 +481,7 @@ TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {
 TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
+  m.impl("quant_linear", &quant_linear);
 }
 
 }  // namespace axon_cpu

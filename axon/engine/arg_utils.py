@@ -40,7 +40,9 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     default_embedding = m.model is None and m.runner == "pooling"
     model = default_embedding_model_path() if default_embedding else m.model
     model_path = _resolve_model_path(model, m.load_format, cache_root)
+    gguf_file = _gguf_file(model, m.load_format)
     hf = load_hf_config(model_path)
+    _check_quantization(m.quantization, gguf_file, hf, model_path)
     # An unsupported architecture fails here, early.
     model_class = resolve_model_class(hf.get("architectures"))
     runner = _resolve_runner(m.runner, model_class, hf)
@@ -71,6 +73,7 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
         or m.model
         or (DEFAULT_EMBEDDING_MODEL_NAME if default_embedding else DEFAULT_MODEL_NAME),
         load_format="dummy" if m.load_format == "dummy" else "safetensors",
+        gguf_file=gguf_file,
     )
     s = config.scheduler_config
     default_tokens = (
@@ -142,12 +145,33 @@ def _resolve_runner(runner: str, model_class: type, hf: dict[str, Any]) -> str:
     return runner
 
 
+def _gguf_file(model: str | None, load_format: str) -> str | None:
+    """The GGUF file ``model`` names (None: the bundled one), or None when it is no GGUF file."""
+    path = os.path.expanduser(model) if model is not None else default_model_path()
+    return path if os.path.isfile(path) and (path.endswith(".gguf") or load_format == "gguf") else None
+
+
+def _check_quantization(
+    method: str | None, gguf_file: str | None, hf: dict[str, Any], model_path: str
+) -> None:
+    """gguf needs a GGUF file; a checkpoint quantized in a format axon does not read is refused by name."""
+    if method == "gguf" and gguf_file is None:
+        raise ValueError(f"quantization 'gguf' needs a .gguf model file, got the folder {model_path!r}")
+    given = hf.get("quantization_config")
+    if given is not None:
+        fmt = given.get("quant_method", "unknown") if isinstance(given, dict) else given
+        raise ValueError(
+            f"{model_path} is a checkpoint quantized as {fmt!r} (its config.json's quantization_config), "
+            "which axon does not read; give an unquantized checkpoint (bfloat16/float16/float32) and "
+            "--quantization int8|int4|fp8, or a GGUF file"
+        )
+
+
 def _resolve_model_path(model: str | None, load_format: str, cache_root: str) -> str:
-    if model is None:
-        model = default_model_path()
-    path = os.path.expanduser(model)
-    if os.path.isfile(path) and (path.endswith(".gguf") or load_format == "gguf"):
-        return gguf_to_hf_folder(path, cache_root)
+    gguf_file = _gguf_file(model, load_format)
+    if gguf_file is not None:
+        return gguf_to_hf_folder(gguf_file, cache_root)
+    path = os.path.expanduser(model if model is not None else default_model_path())
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"model folder {path!r} has no config.json")

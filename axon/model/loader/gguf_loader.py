@@ -32,6 +32,8 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from axon.model.layers.quant import QuantizedWeight
+from axon.model.loader.gguf_blocks import KEPT_QUANTIZED, quantized_weight
 from axon.startup import startup_phase
 
 # Bump whenever the folder's contents would change for the same GGUF file.
@@ -476,3 +478,31 @@ def _write_hf_folder(reader: GGUFReader, path: str, folder: str) -> None:
     _write_safetensors(_iter_hf_tensors(spec, config, plan), folder)
     for name in os.listdir(folder):
         os.chmod(os.path.join(folder, name), 0o644)
+
+
+def quantized_linear_weights(gguf_path: str) -> dict[str, QuantizedWeight]:
+    """HF weight name -> that 2-D weight's blocks as a ``QuantizedWeight``, for every tensor of
+    a type kept quantized (``gguf_blocks.KEPT_QUANTIZED``); F32/F16 tensors are left out. q/k rows
+    are un-permuted as the converted folder's are (whole rows: the blocks move as they are)."""
+    reader = _open_reader(gguf_path)
+    meta = _Metadata(reader, gguf_path)
+    spec = _architecture(meta)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = _hf_config(meta, spec, tensors)
+    heads = {".self_attn.q_proj.": "num_attention_heads", ".self_attn.k_proj.": "num_key_value_heads"}
+    out: dict[str, QuantizedWeight] = {}
+    for hf_name, tensor in _plan_tensors(meta, spec, config, tensors).items():
+        if tensor.tensor_type not in KEPT_QUANTIZED or len(tensor.shape) != 2:
+            continue
+        cols, rows = (int(n) for n in tensor.shape.tolist())  # ggml: ne[0] = columns
+        weight = quantized_weight(tensor.data, tensor.tensor_type, rows, cols)
+        for part, key in heads.items():
+            if spec.permuted_rotary and part in hf_name:
+                weight = weight.permute_rows(_unpermute_order(rows, config[key]))
+        out[hf_name] = weight
+    return out
+
+
+def _unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
+    """The row order ``unpermute_rotary_rows`` gives: HF row i is GGUF row order[i]."""
+    return unpermute_rotary_rows(torch.arange(rows).unsqueeze(1), num_heads).squeeze(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -9,11 +10,15 @@ from torch import nn
 
 from axon.config import ModelConfig
 from axon.model.layers.attention import AttentionBackend
-from axon.model.layers.linear import pack_linears
+from axon.model.layers.linear import MergedLinear, pack_linears
+from axon.model.layers.quant import QuantizedWeight, QuantLinear, concat_rows, quantize_linears
+from axon.model.loader.gguf_loader import quantized_linear_weights
 from axon.model.loader.safetensors_loader import iterate_safetensors
 from axon.model.registry import resolve_model_class
 from axon.platforms import move_to_huge_pages
 from axon.startup import startup_phase
+
+logger = logging.getLogger(__name__)
 
 
 def build_empty(make: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device | str) -> nn.Module:
@@ -55,11 +60,53 @@ def load_model(
             _init_dummy_weights(model, model_config.seed)
         else:
             model.load_weights(iterate_safetensors(model_config.model_path))
+        if model_config.quantization is not None:
+            _quantize(model, model_config, use_kernel=linear_backend == "cpu_bf16")
         if linear_backend != "torch":
             pack_linears(model, linear_backend, linear_batch_hint)
         if device.type == "cpu":
             move_to_huge_pages(model)
         return model.eval()
+
+
+def _quantize(model: nn.Module, model_config: ModelConfig, use_kernel: bool) -> None:
+    """Every linear layer to ``model_config.quantization``'s form (see axon/model/layers/quant.py)."""
+    method = model_config.quantization
+    with startup_phase(f"quantizing the linear layers ({method})"):
+        given = None
+        if method == "gguf":
+            assert model_config.gguf_file is not None, "resolve_config() checks that gguf has a GGUF file"
+            given = _gguf_module_weights(model, quantized_linear_weights(model_config.gguf_file))
+        count = quantize_linears(model, method, model_config.quantization_group_size, use_kernel, given)
+        total = sum(m.weight_bytes for m in model.modules() if isinstance(m, QuantLinear))
+        logger.info("quantized %d linear layers to %s: %.1f MiB of weights", count, method, total / 2**20)
+
+
+def _gguf_module_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    """HF weight name -> blocks, to module name -> blocks: merged layers (q/k/v, gate/up) join
+    their shards' rows, when every shard is quantized; a tied LM head takes the embedding's."""
+    stacked = getattr(model, "stacked_params", {})
+    by_module: dict[str, QuantizedWeight] = {}
+    shards: dict[str, dict[int, QuantizedWeight]] = {}
+    for name, weight in weights.items():
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        if leaf != "weight":
+            continue
+        if last in stacked:
+            merged, shard = stacked[last]
+            shards.setdefault(f"{parent}.{merged}", {})[shard] = weight
+        else:
+            by_module[module] = weight
+    modules = dict(model.named_modules())
+    for module, parts in shards.items():
+        layer = modules.get(module)
+        if isinstance(layer, MergedLinear) and sorted(parts) == list(range(len(layer.output_sizes))):
+            by_module[module] = concat_rows([parts[i] for i in sorted(parts)])
+    embedding = by_module.get("model.embed_tokens")
+    if isinstance(modules.get("lm_head"), nn.Linear) and "lm_head" not in by_module and embedding is not None:
+        by_module["lm_head"] = embedding
+    return by_module
 
 
 def _init_dummy_weights(model: nn.Module, seed: int) -> None:

@@ -182,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias: bool | None = None  # None: read attention_bias from the config
     qk_norm = False
+    stacked_params = STACKED_PARAMS  # checkpoint layer -> (merged layer, shard)
 
     def __init__(self, hf_config: dict[str, Any], backend: AttentionBackend) -> None:
         super().__init__()

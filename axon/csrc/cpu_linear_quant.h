@@ -1,0 +1,348 @@
+// Quantized linear layers (included by cpu_linear.cpp, inside its namespace: it runs on the same
+// panels, tiles and row loops as the bf16 kernel).
+//
+// A quantized weight is w[n][k] = code[n][k] * scale[n][g] + min[n][g], one scale (and min) per
+// output column n and ``group`` consecutive inputs (g = k / group). The codes keep the bf16
+// layout's panel order, one byte or half a byte each (axon/model/layers/quant.py packs them):
+//
+//   int8  (kind 0): signed bytes,   packed[panel][k / 2][block 0..3][column 0..15][k % 2]
+//   fp8   (kind 2): FP8 E4M3 bytes, the same order
+//   uint4 (kind 1): codes 0..15, one step in 64 bytes: bytes 0-31 hold block 0 in their low
+//                   nibbles and block 1 in their high nibbles, bytes 32-63 blocks 2 and 3
+//
+// scales (and mins): float32 [panel][K / group][64 columns]. uint4 weights always have mins,
+// given as min - 128 * scale (the kernel multiplies by 128 + code, below).
+//
+// Every code is exactly a bf16 number (|int8| < 256, E4M3 has 3 mantissa bits), so a call
+// turns a panel's codes into a bf16 panel in a thread's buffer, without rounding, and multiplies
+// by it on the same tiles (or vdpbf16ps) as the bf16 kernel, one group of inputs at a time:
+//
+//   y[m][n] = sum over groups g, in order, of  scale[n][g] * (x[m][g's inputs] . code[n][g's inputs])
+//                                            + min[n][g] * (sum of x[m][g's inputs])
+//
+// each group's dot product summed in float32, then added by fused multiply-adds. Every row count
+// takes this one path (on tiles where the CPU has AMX), so a row's result never depends on the
+// batch. Memory streams only the codes: half (int8, fp8) or a quarter (int4) of bf16's bytes.
+
+enum QuantKind : int64_t { kInt8 = 0, kUInt4 = 1, kFp8E4M3 = 2 };
+
+struct QuantWeight {
+  const uint8_t* codes;
+  const float* scales;
+  const float* mins;  // nullptr: none
+  int64_t group;      // inputs per scale: a multiple of 16
+  int64_t K2;         // input pairs
+  int64_t KG() const { return 2 * K2 / group; }
+};
+
+#if defined(__AVX512BF16__)
+
+// 32 E4M3 codes (s eeee mmm, bias 7, no infinities) -> their 32 exact bf16 values. A normal
+// code is the bf16 with exponent e + 120 and mantissa m << 4; e == 0 is subnormal, m * 2^-9,
+// looked up.
+inline __m512i fp8_to_bf16(__m256i bytes) {
+  // bf16 bits of m * 2^-9 for m = 0..7 (lanes 8-31 unused)
+  const __m512i subnormals = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                              0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+  const __m512i v = _mm512_cvtepu8_epi16(bytes);
+  const __m512i em = _mm512_and_si512(v, _mm512_set1_epi16(0x7f));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+  const __mmask32 small = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8));
+  const __m512i magnitude = _mm512_mask_permutexvar_epi16(normal, small, em, subnormals);
+  // sign: bit 7 of the code -> bit 15; (a & b) | c is ternary-logic table 0xEA
+  return _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)),
+                                   magnitude, 0xEA);
+}
+
+// 32 int8 codes -> their 32 exact bf16 values (through float32).
+inline __m512i int8_to_bf16(__m256i bytes) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+template <int64_t kind>
+constexpr int64_t kCodeStepBytes = kind == kUInt4 ? kGroupCols : 2 * kGroupCols;
+
+// Steps [first, last) of panel g -> out (kStepElems per step, from step ``first``).
+template <int64_t kind>
+void decode_steps(const QuantWeight& q, int64_t g, int64_t first, int64_t last, const uint8_t* next, uint16_t* out) {
+  constexpr int64_t step_bytes = kCodeStepBytes<kind>;
+  const uint8_t* codes = q.codes + g * q.K2 * step_bytes;
+  for (int64_t k2 = first; k2 < last; ++k2) {
+    const uint8_t* step = codes + k2 * step_bytes;
+    if (next != nullptr && (k2 * step_bytes) % 64 == 0) _mm_prefetch(next + k2 * step_bytes, _MM_HINT_T1);
+    uint16_t* dst = out + (k2 - first) * kStepElems;
+    if constexpr (kind == kUInt4) {
+      const __m512i nibble = _mm512_set1_epi16(0x0f), exponent = _mm512_set1_epi16(0x4300);
+      for (int pair = 0; pair < 2; ++pair) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * pair)));
+        // (a & b) | c: ternary-logic table 0xEA
+        const __m512i lo = _mm512_ternarylogic_epi32(v, nibble, exponent, 0xEA);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, exponent, 0xEA);
+        _mm512_storeu_si512(dst + 64 * pair, lo);
+        _mm512_storeu_si512(dst + 64 * pair + 32, hi);
+      }
+    } else {
+      for (int b = 0; b < 4; ++b) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * b));
+        _mm512_storeu_si512(dst + 32 * b, kind == kInt8 ? int8_to_bf16(bytes) : fp8_to_bf16(bytes));
+      }
+    }
+  }
+}
+
+// The sum of each row's inputs in each group, [M][KG], in one order whatever M (for the mins).
+void group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t group, float* out) {
+  const int64_t KG = K / group;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t kg = 0; kg < KG; ++kg) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = kg * group; k < (kg + 1) * group; k += 16) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k));
+          acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+        }
+        out[m * KG + kg] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  });
+}
+
+// total += scale * partial (+ min * xsum): one group's 16 columns of one row.
+inline __m512 add_group(__m512 total, __m512 partial, const float* s, const float* mn, float xsum) {
+  total = _mm512_fmadd_ps(partial, _mm512_loadu_ps(s), total);
+  if (mn != nullptr) total = _mm512_fmadd_ps(_mm512_set1_ps(xsum), _mm512_loadu_ps(mn), total);
+  return total;
+}
+
+// Rows m0 .. m0 + MB - 1 times one decoded panel on vdpbf16ps, group by group, into acc.
+template <int MB>
+inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, const QuantWeight& q,
+                             int64_t g, const float* xsum, __m512 (&total)[kRowsPerPass][4]) {
+  const int64_t KG = q.KG(), steps = q.group / 2;
+  for (int m = 0; m < MB; ++m) {
+    for (int b = 0; b < 4; ++b) total[m][b] = _mm512_setzero_ps();
+  }
+  for (int64_t kg = 0; kg < KG; ++kg) {
+    __m512 acc[MB][4];
+    for (int m = 0; m < MB; ++m) {
+      for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
+    }
+    for (int64_t k2 = kg * steps; k2 < (kg + 1) * steps; ++k2) {
+      const uint16_t* step = panel + k2 * kStepElems;
+      __m512bh w[4];
+      for (int b = 0; b < 4; ++b) w[b] = (__m512bh)_mm512_loadu_si512(step + 32 * b);
+      for (int m = 0; m < MB; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * ldx + 2 * k2, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], a, w[b]);
+      }
+    }
+    const float* s = q.scales + (g * KG + kg) * kGroupCols;
+    const float* mn = q.mins != nullptr ? q.mins + (g * KG + kg) * kGroupCols : nullptr;
+    for (int m = 0; m < MB; ++m) {
+      const float xs = mn != nullptr ? xsum[m * KG + kg] : 0.0f;
+      for (int b = 0; b < 4; ++b) {
+        total[m][b] = add_group(total[m][b], acc[m][b], s + 16 * b, mn != nullptr ? mn + 16 * b : nullptr, xs);
+      }
+    }
+  }
+}
+
+// Panel g, decoded whole into ``panel``, streaming the thread's next panel (before ``end``) into L2.
+template <int64_t kind>
+inline void decode_thread_panel(const QuantWeight& q, int64_t g, int64_t end, uint16_t* panel) {
+  const uint8_t* next = g + 1 < end ? q.codes + (g + 1) * q.K2 * kCodeStepBytes<kind> : nullptr;
+  decode_steps<kind>(q, g, 0, q.K2, next, panel);
+}
+
+template <int64_t kind, typename out_t>
+void run_quant_linear(const uint16_t* x, int64_t M, int64_t K, const QuantWeight& q, const float* xsum, int64_t N,
+                      const float* bias, out_t* y) {
+  const int64_t groups = (N + kGroupCols - 1) / kGroupCols, KG = q.KG();
+  const int64_t grain = std::max<int64_t>(1, groups / (4 * at::get_num_threads()));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> panel(q.K2 * kStepElems);
+    __m512 total[kRowsPerPass][4];
+    for (int64_t chunk = 0; chunk < M; chunk += kRowChunk)
+    for (int64_t g = begin; g < end; ++g) {
+      decode_thread_panel<kind>(q, g, end, panel.data());
+      const int64_t chunk_end = std::min(M, chunk + kRowChunk);
+      for (int64_t m0 = chunk; m0 < chunk_end; m0 += kRowsPerPass) {
+        const uint16_t* xm = x + m0 * K;
+        const float* xs = xsum != nullptr ? xsum + m0 * KG : nullptr;
+        out_t* ym = y + m0 * N;
+        switch (std::min<int64_t>(kRowsPerPass, M - m0)) {
+          case 6: quant_panel_rows<6>(xm, K, panel.data(), q, g, xs, total); store_rows<6>(total, ym, N, g * kGroupCols, N, bias); break;
+          case 5: quant_panel_rows<5>(xm, K, panel.data(), q, g, xs, total); store_rows<5>(total, ym, N, g * kGroupCols, N, bias); break;
+          case 4: quant_panel_rows<4>(xm, K, panel.data(), q, g, xs, total); store_rows<4>(total, ym, N, g * kGroupCols, N, bias); break;
+          case 3: quant_panel_rows<3>(xm, K, panel.data(), q, g, xs, total); store_rows<3>(total, ym, N, g * kGroupCols, N, bias); break;
+          case 2: quant_panel_rows<2>(xm, K, panel.data(), q, g, xs, total); store_rows<2>(total, ym, N, g * kGroupCols, N, bias); break;
+          default: quant_panel_rows<1>(xm, K, panel.data(), q, g, xs, total); store_rows<1>(total, ym, N, g * kGroupCols, N, bias); break;
+        }
+      }
+    }
+  });
+}
+
+#if defined(AXON_AMX)
+
+// Tiles for ``inputs`` (16 or 32) inputs per product and ``rows`` (up to 16) rows: 0-3 C (rows x
+// 16 float32 columns, one per block of the panel), 4 A (rows x inputs bf16), 5-6 B (inputs / 2
+// pairs x 16 columns). Each row of a product is computed on its own, so a decode step's few rows
+// run on tiles of their size (a 1-row product is far cheaper than a 16-row one) with the same
+// result per row as in a full block.
+void configure_quant_tiles(int64_t inputs, int64_t rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+  }
+  cfg.colsb[4] = static_cast<uint16_t>(2 * inputs);
+  cfg.rows[4] = static_cast<uint8_t>(rows);
+  for (int t = 5; t < 7; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(inputs / 2);
+  }
+  load_tile_config(cfg);
+}
+
+// 16 rows (``rows`` of them real) times panel g on tiles, group by group, into total (16 x 64
+// float32). ``panel``: the panel decoded whole (a prefill's row blocks share it); nullptr: each
+// product's codes are decoded just before it into ``slice`` (a decode step's one row block: the
+// slice stays in L1 and the integer decoding overlaps the tile unit). Either way every output
+// element sums the same tile products in the same order.
+template <int64_t kind>
+void quant_block_tiles(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* panel, uint16_t* slice,
+                       const uint8_t* next, const QuantWeight& q, int64_t g, int64_t inputs, const float* xsum,
+                       float* total) {
+  constexpr int64_t kStepBytes = kStepElems * 2;
+  const int64_t KG = q.KG(), steps = q.group / 2, tile_steps = inputs / 2;
+  alignas(64) float c[kTileRows * kGroupCols];
+  std::fill(total, total + kTileRows * kGroupCols, 0.0f);
+  for (int64_t kg = 0; kg < KG; ++kg) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k2 = kg * steps; k2 < (kg + 1) * steps; k2 += tile_steps) {
+      const uint16_t* step = panel != nullptr ? panel + k2 * kStepElems : slice;
+      if (panel == nullptr) decode_steps<kind>(q, g, k2, k2 + tile_steps, next, slice);
+      _tile_loadd(4, x + 2 * k2, ldx * 2);
+      _tile_loadd(5, step, kStepBytes);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, step + 32, kStepBytes);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, step + 64, kStepBytes);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, step + 96, kStepBytes);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, c, kGroupCols * 4);
+    _tile_stored(1, c + 16, kGroupCols * 4);
+    _tile_stored(2, c + 32, kGroupCols * 4);
+    _tile_stored(3, c + 48, kGroupCols * 4);
+    const float* s = q.scales + (g * KG + kg) * kGroupCols;
+    const float* mn = q.mins != nullptr ? q.mins + (g * KG + kg) * kGroupCols : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float xs = mn != nullptr ? xsum[r * KG + kg] : 0.0f;
+      for (int b = 0; b < 4; ++b) {
+        float* t = total + r * kGroupCols + 16 * b;
+        const __m512 sum = add_group(_mm512_load_ps(t), _mm512_load_ps(c + r * kGroupCols + 16 * b), s + 16 * b,
+                                     mn != nullptr ? mn + 16 * b : nullptr, xs);
+        _mm512_store_ps(t, sum);
+      }
+    }
+  }
+}
+
+template <int64_t kind, typename out_t>
+void run_quant_linear_amx(const uint16_t* x, int64_t M, int64_t K, const QuantWeight& q, const float* xsum,
+                          int64_t N, const float* bias, out_t* y) {
+  const int64_t groups = (N + kGroupCols - 1) / kGroupCols, KG = q.KG();
+  const int64_t inputs = q.group % 32 == 0 ? 32 : 16;
+  const int64_t full = M / kTileRows * kTileRows;
+  const uint16_t* padded = M > kTileRows ? padded_tail_rows(x, M, K) : nullptr;
+  const bool whole_panels = M > kTileRows;  // several row blocks share each decoded panel
+  const int64_t grain = std::max<int64_t>(1, groups / (4 * at::get_num_threads()));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    configure_quant_tiles(inputs, std::min(M, kTileRows));
+    std::vector<uint16_t> panel(whole_panels ? q.K2 * kStepElems : 0);
+    alignas(64) uint16_t slice[16 * kStepElems];
+    alignas(64) float total[kTileRows * kGroupCols];
+    for (int64_t chunk = 0; chunk < M; chunk += kRowChunk)
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* next = g + 1 < end ? q.codes + (g + 1) * q.K2 * kCodeStepBytes<kind> : nullptr;
+      if (whole_panels) decode_thread_panel<kind>(q, g, end, panel.data());
+      const int64_t chunk_end = std::min(M, chunk + kRowChunk);
+      for (int64_t m0 = chunk; m0 < chunk_end; m0 += kTileRows) {
+        const int64_t rows = std::min(kTileRows, M - m0);
+        const uint16_t* xm = m0 < full || M < kTileRows ? x + m0 * K : padded;
+        quant_block_tiles<kind>(xm, K, rows, whole_panels ? panel.data() : nullptr, slice, next, q, g, inputs,
+                                xsum != nullptr ? xsum + m0 * KG : nullptr, total);
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 acc[kRowsPerPass][4];
+          for (int b = 0; b < 4; ++b) acc[0][b] = _mm512_load_ps(total + r * kGroupCols + 16 * b);
+          store_rows<1>(acc, y + (m0 + r) * N, N, g * kGroupCols, N, bias);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+#endif  // AXON_AMX
+
+template <int64_t kind, typename out_t>
+void run_quant_linear_on_best_path(const uint16_t* x, int64_t M, int64_t K, const QuantWeight& q,
+                                   const float* xsum, int64_t N, const float* bias, out_t* y) {
+#if defined(AXON_AMX)
+  if (linear_uses_amx()) {
+    run_quant_linear_amx<kind, out_t>(x, M, K, q, xsum, N, bias, y);
+    return;
+  }
+#endif
+  run_quant_linear<kind, out_t>(x, M, K, q, xsum, N, bias, y);
+}
+
+#endif  // __AVX512BF16__
+
+// x [..., K] bf16 times a quantized [N, K] weight (layout above) -> [..., N] + bias.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, int64_t kind, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, int64_t group, int64_t N,
+                        const std::optional<at::Tensor>& bias, bool float_out) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "quant_linear takes bfloat16 input, got ", x.scalar_type());
+  TORCH_CHECK(kind == kInt8 || kind == kUInt4 || kind == kFp8E4M3, "quant_linear: unknown code kind ", kind);
+  const int64_t K = x.size(-1), panels = (N + kGroupCols - 1) / kGroupCols;
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && K % group == 0, "quant_linear: group ", group,
+              " must be a multiple of 16 that divides the ", K, " inputs");
+  const int64_t code_bytes = panels * K * kGroupCols / (kind == kUInt4 ? 2 : 1);
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() * codes.element_size() == code_bytes,
+              "quant_linear: codes do not match ", N, " outputs of ", K, " inputs");
+  const int64_t table = panels * (K / group) * kGroupCols;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == table,
+              "quant_linear: scales must be ", table, " contiguous float32 values");
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(has_mins || kind != kUInt4, "quant_linear: uint4 codes need mins (min - 128 * scale)");
+  TORCH_CHECK(!has_mins || (mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == table),
+              "quant_linear: mins must be ", table, " contiguous float32 values");
+  const QuantWeight q{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+                      has_mins ? mins->data_ptr<float>() : nullptr, group, K / 2};
+  return linear_call(x, N, bias, float_out, [&](const uint16_t* xp, int64_t M, int64_t K, const float* b, auto* y) {
+    std::vector<float> xsum(has_mins ? M * (K / group) : 0);
+    if (has_mins) group_sums(xp, M, K, group, xsum.data());
+    const float* xs = has_mins ? xsum.data() : nullptr;
+    using out_t = std::remove_pointer_t<decltype(y)>;
+    switch (kind) {
+      case kInt8: run_quant_linear_on_best_path<kInt8, out_t>(xp, M, K, q, xs, N, b, y); break;
+      case kUInt4: run_quant_linear_on_best_path<kUInt4, out_t>(xp, M, K, q, xs, N, b, y); break;
+      default: run_quant_linear_on_best_path<kFp8E4M3, out_t>(xp, M, K, q, xs, N, b, y); break;
+    }
+  });
+#else
+  TORCH_CHECK(false, "quant_linear needs a CPU with AVX-512 BF16 (see linear_supported())");
+#endif
+}

@@ -1,0 +1,259 @@
+"""Quantized linear layers: fewer bytes per weight for a memory-bound decode.
+
+``--quantization`` (vLLM's flag) chooses how each linear layer's weight is stored:
+
+    int8   weight-only, signed 8-bit codes, one scale per output channel (or per
+           ``--quantization-group-size`` inputs), computed at load (W8A16)
+    int4   weight-only, 4-bit codes 0..15 with a scale and a minimum per group of inputs
+           (default 128; Q4_1's form), computed at load (W4A16)
+    fp8    FP8 E4M3 codes, one scale per output channel (amax / 448), computed at load
+    gguf   a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), re-laid out without
+           rounding: the codes, scales and minimums are the file's (``gguf_blocks.py``)
+
+Every form is ``w[n][k] = code * scale + min`` with one scale (and min) per output ``n`` and
+``group`` consecutive inputs: a ``QuantizedWeight``. On CPUs with AVX-512 BF16 the layer runs
+``torch.ops.axon_cpu.quant_linear`` (``axon/csrc/cpu_linear.cpp``), which streams the codes and
+dequantizes each panel to bf16 next to the tiles: the result is a bf16 matmul with the
+dequantized weight, in the bf16 kernel's one summation order (the same answer whatever the batch).
+Elsewhere (CUDA, other CPUs) the layer dequantizes its weight on each call and runs ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Code kinds, as the C++ kernel numbers them.
+KIND_INT8, KIND_UINT4, KIND_FP8 = 0, 1, 2
+KIND_NAMES = {KIND_INT8: "int8", KIND_UINT4: "uint4", KIND_FP8: "fp8_e4m3"}
+FP8_E4M3_MAX = 448.0
+GROUP_COLS = 64  # output columns per packed panel (kGroupCols in the kernel)
+
+DEFAULT_GROUP_SIZE = {"int4": 128}  # int8 and fp8: one scale per output channel
+
+
+@dataclass
+class QuantizedWeight:
+    """An [N, K] weight as codes with per-(output, group of inputs) scales and minimums."""
+
+    codes: torch.Tensor  # [N, K]: int8 (KIND_INT8), uint8 0..15 (KIND_UINT4), float8_e4m3fn (KIND_FP8)
+    kind: int
+    scales: torch.Tensor  # [N, K // group] float32
+    mins: torch.Tensor | None  # [N, K // group] float32; None: zero
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: code * scale + min, rounded once (as the kernel's fused multiply-add)."""
+        w = self.codes.double() * self.scales.double().repeat_interleave(self.group, dim=1)
+        if self.mins is not None:
+            w = w + self.mins.double().repeat_interleave(self.group, dim=1)
+        return w.float()
+
+    def permute_rows(self, order: torch.Tensor) -> QuantizedWeight:
+        """Row i of the result is row order[i] of this weight."""
+        mins = self.mins[order] if self.mins is not None else None
+        return QuantizedWeight(self.codes[order], self.kind, self.scales[order], mins, self.group)
+
+    def nbytes(self) -> int:
+        n, k = self.shape
+        code_bytes = n * k // 2 if self.kind == KIND_UINT4 else n * k
+        tables = 1 if self.mins is None else 2
+        return code_bytes + tables * self.scales.numel() * 4
+
+
+def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
+    n, k = w.shape
+    return w.float().reshape(n, k // group, group)
+
+
+def quantize_int8(w: torch.Tensor, group: int) -> QuantizedWeight:
+    """Symmetric: scale = amax / 127 per group, codes = round(w / scale)."""
+    g = _grouped(w, group)
+    amax = g.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    codes = torch.round(g / scales[..., None]).clamp(-127, 127).to(torch.int8).reshape(w.shape)
+    return QuantizedWeight(codes, KIND_INT8, scales.contiguous(), None, group)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> QuantizedWeight:
+    """Asymmetric: min = the group's minimum, scale = (max - min) / 15, codes = round((w - min) / scale)."""
+    g = _grouped(w, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scales = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo))
+    codes = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).reshape(w.shape)
+    return QuantizedWeight(codes, KIND_UINT4, scales.contiguous(), lo.contiguous(), group)
+
+
+def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
+    """E4M3 per output channel: scale = amax / 448, codes = w / scale rounded to E4M3."""
+    amax = w.float().abs().amax(dim=1, keepdim=True)
+    scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    codes = (w.float() / scales).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight(codes, KIND_FP8, scales.contiguous(), None, int(w.shape[1]))
+
+
+def default_group_size(method: str, k: int) -> int:
+    """int4: 128 inputs, or the largest power of two from 64 down to 16 that divides ``k``
+    (576 -> 64), else ``k``; int8 and fp8: all ``k`` (one scale per output channel)."""
+    if method != "int4":
+        return k
+    group = DEFAULT_GROUP_SIZE["int4"]
+    while k % group and group > 16:
+        group //= 2
+    return group if k % group == 0 else k
+
+
+def quantize_weight(w: torch.Tensor, method: str, group_size: int | None) -> QuantizedWeight:
+    """``w`` [N, K] -> its ``method`` ("int8", "int4", "fp8") form; ``group_size`` None: the
+    method's default. A group that does not divide K (or is odd) is an error naming it."""
+    k = int(w.shape[1])
+    group = group_size or default_group_size(method, k)
+    if method == "fp8":
+        return quantize_fp8(w)
+    if k % group:
+        raise ValueError(
+            f"quantization_group_size {group} must divide every quantized layer's inputs; a layer has {k}"
+        )
+    if method == "int8":
+        return quantize_int8(w, group)
+    if method == "int4":
+        return quantize_int4(w, group)
+    raise ValueError(f"unknown quantization method {method!r}")
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight whose rows are ``parts``' rows in order (a merged q/k/v or gate/up layer), in a
+    form every part fits without rounding: 8-bit codes if any part has them (4-bit codes 0..15 fit),
+    the smallest group (a larger group's scale repeats), minimums if any part has them (zero else)."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) > 1 and KIND_FP8 in kinds:
+        raise ValueError(f"cannot merge fp8 codes with {sorted(KIND_NAMES[k] for k in kinds)}")
+    kind = KIND_INT8 if KIND_INT8 in kinds else parts[0].kind
+    group = min(p.group for p in parts)
+    if any(p.group % group for p in parts):
+        raise ValueError(f"cannot merge groups {[p.group for p in parts]}")
+    any_mins = any(p.mins is not None for p in parts)
+    codes, scales, mins = [], [], []
+    for p in parts:
+        codes.append(p.codes.to(torch.int8) if kind == KIND_INT8 and p.kind == KIND_UINT4 else p.codes)
+        scales.append(p.scales.repeat_interleave(p.group // group, dim=1))
+        if any_mins:
+            m = p.mins if p.mins is not None else torch.zeros_like(p.scales)
+            mins.append(m.repeat_interleave(p.group // group, dim=1))
+    return QuantizedWeight(
+        torch.cat(codes), kind, torch.cat(scales), torch.cat(mins) if any_mins else None, group
+    )
+
+
+def pack_codes(codes: torch.Tensor, kind: int) -> torch.Tensor:
+    """[N, K] codes -> the kernel's panel order (``cpu_linear.cpp``), flat uint8; rows past N are 0."""
+    n, k = codes.shape
+    groups = -(-n // GROUP_COLS)
+    raw = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
+    padded = torch.zeros(groups * GROUP_COLS, k, dtype=torch.uint8)
+    padded[:n] = raw
+    # [group][block][column][k2][k % 2] -> [group][k2][block][column][k % 2]
+    steps = padded.view(groups, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).reshape(groups, k // 2, 4, 32)
+    if kind == KIND_UINT4:  # blocks 0 and 2 in low nibbles, 1 and 3 in high ones
+        steps = steps[:, :, 0::2] | (steps[:, :, 1::2] << 4)
+    return steps.contiguous().view(-1)
+
+
+def pack_table(table: torch.Tensor) -> torch.Tensor:
+    """[N, K // group] float32 -> [group of 64 columns][K // group][64], flat; columns past N are 0."""
+    n, kg = table.shape
+    groups = -(-n // GROUP_COLS)
+    padded = torch.zeros(groups * GROUP_COLS, kg, dtype=torch.float32)
+    padded[:n] = table
+    return padded.view(groups, GROUP_COLS, kg).transpose(1, 2).contiguous().view(-1)
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear``'s forward on a ``QuantizedWeight``: axon's kernel where ``use_kernel``, else
+    dequantize and ``F.linear``."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, use_kernel: bool) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kind, self.group = weight.kind, weight.group
+        self.register_buffer("bias", bias, persistent=False)
+        # The kernel takes groups of 16 inputs or more (one tile product each).
+        self.use_kernel = use_kernel and weight.group % 16 == 0
+        self.weight_bytes = weight.nbytes()
+        if self.use_kernel:
+            self.register_buffer("codes", pack_codes(weight.codes, weight.kind), persistent=False)
+            self.register_buffer("scales", pack_table(weight.scales), persistent=False)
+            mins = weight.mins
+            if weight.kind == KIND_UINT4:  # the kernel multiplies by 128 + code
+                mins = (mins if mins is not None else torch.zeros_like(weight.scales)) - 128.0 * weight.scales
+            self.register_buffer("mins", pack_table(mins) if mins is not None else None, persistent=False)
+        else:
+            self.weight = weight
+
+    def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        if self.use_kernel:
+            return torch.ops.axon_cpu.quant_linear(
+                x,
+                self.codes,
+                self.kind,
+                self.scales,
+                self.mins,
+                self.group,
+                self.out_features,
+                self.bias,
+                float_out,
+            )
+        w = self.weight.dequantize().to(device=x.device, dtype=x.dtype)
+        y = F.linear(x, w, self.bias)
+        return y.float() if float_out else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"codes={KIND_NAMES[self.kind]}, group={self.group}, bias={self.bias is not None}"
+        )
+
+
+def quantize_linears(
+    model: nn.Module,
+    method: str,
+    group_size: int | None,
+    use_kernel: bool,
+    given: dict[str, QuantizedWeight] | None = None,
+) -> int:
+    """Replace every ``nn.Linear`` in ``model`` with a ``QuantLinear``; returns how many.
+
+    ``given`` (gguf): module name -> its weight already quantized (the file's blocks); a layer
+    not in it stays as it is (a GGUF tensor stored as F32/F16 has no codes). Other methods
+    quantize each layer's own weight. The layer keeps its own copy: a weight tied to an
+    embedding stays with the embedding, in full precision.
+    """
+    targets = [
+        (parent, name, child, f"{parent_name}.{name}" if parent_name else name)
+        for parent_name, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    count = 0
+    for parent, name, child, full_name in targets:
+        if given is not None:
+            weight = given.get(full_name)
+            if weight is None:
+                continue
+            if weight.shape != tuple(child.weight.shape):
+                raise ValueError(
+                    f"{full_name}: quantized weight {weight.shape} for a {tuple(child.weight.shape)} layer"
+                )
+        else:
+            weight = quantize_weight(child.weight.detach(), method, group_size)
+        bias = child.bias.detach() if child.bias is not None else None
+        setattr(parent, name, QuantLinear(weight, bias, use_kernel))
+        count += 1
+    return count
