@@ -77,7 +77,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """CUDA only: the share of the GPU's memory for weights and KV cache."""
     kv_cache_dtype: str = "auto"
-    """auto (the model's dtype) only, for now."""
+    """auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2: K and V stored in one
+    byte each with a per-layer scale (twice the blocks for the same memory); needs the cpu_flash
+    attention backend (the CPU default)."""
+    calculate_kv_scales: bool = False
+    """FP8 KV cache: each layer's scales from the first step's keys and values (amax / 200 for
+    K, amax / 100 for V, as vLLM), instead of 1.0."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ PLANNED_EXECUTOR_BACKENDS = ("mp", "ray")  # vLLM's names, for the parallelism i
 BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
 LINEAR_BACKENDS = ("auto", "cpu_bf16", "onednn", "torch")  # see axon/model/layers/linear.py
 QUANTIZATION_METHODS = ("int8", "int4", "fp8", "gguf")  # see axon/model/layers/quant.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -357,7 +363,18 @@ def validate_config(config: AxonConfig) -> None:
         c.gpu_memory_utilization,
         "must be in (0, 1]",
     )
-    need(c.kv_cache_dtype == "auto", "kv_cache_dtype", c.kv_cache_dtype, "supports only 'auto' for now")
+    need(
+        c.kv_cache_dtype in KV_CACHE_DTYPES,
+        "kv_cache_dtype",
+        c.kv_cache_dtype,
+        f"must be one of {', '.join(KV_CACHE_DTYPES)}",
+    )
+    need(
+        not c.calculate_kv_scales or c.kv_cache_dtype != "auto",
+        "calculate_kv_scales",
+        c.calculate_kv_scales,
+        "applies only to an FP8 KV cache (kv_cache_dtype fp8, fp8_e4m3 or fp8_e5m2)",
+    )
     need(s.max_num_seqs >= 1, "max_num_seqs", s.max_num_seqs, "must be at least 1")
     need(
         s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1,

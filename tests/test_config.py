@@ -68,6 +68,14 @@ def test_every_option_has_one_owner_and_a_flag() -> None:
         ({"load_format": "pickle"}, "load_format"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
         ({"speculative_config": "{not json"}, "speculative_config"),
+        ({"quantization": "nonsense"}, "quantization must be one of int8, int4, fp8, gguf .* got 'nonsense'"),
+        ({"quantization": "int4", "quantization_group_size": 24}, "quantization_group_size .* got 24"),
+        ({"quantization": "fp8", "quantization_group_size": 32}, "quantization_group_size applies only"),
+        (
+            {"kv_cache_dtype": "int8"},
+            "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'",
+        ),
+        ({"calculate_kv_scales": True}, "calculate_kv_scales applies only to an FP8 KV cache"),
     ],
 )
 def test_invalid_values_are_named(kwargs: dict, name: str) -> None:
@@ -81,6 +89,29 @@ def test_cpu_kv_space_from_vllm_variable(monkeypatch: pytest.MonkeyPatch, smollm
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert create_engine_config(model=smollm2_path).cache_config.kv_cache_space_gib == 2.0
     assert create_engine_config(model=smollm2_path, kv_cache_space_gib=1).cache_config.kv_cache_space_gib == 1
+
+
+def test_quantization_gguf_needs_a_gguf_file(tmp_path, smollm2_path: str) -> None:
+    from axon.engine.arg_utils import create_engine_config
+
+    assert create_engine_config(quantization="gguf").model_config.gguf_file is not None  # the bundled model
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model file"):
+        create_engine_config(model=smollm2_path, quantization="gguf")
+
+
+def test_a_checkpoint_quantized_in_another_format_is_refused_by_name(tmp_path, smollm2_path: str) -> None:
+    import json
+    import shutil
+
+    from axon.engine.arg_utils import create_engine_config
+
+    folder = tmp_path / "gptq"
+    shutil.copytree(smollm2_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized as 'gptq'.*which axon does not read"):
+        create_engine_config(model=str(folder))
 
 
 @pytest.mark.parametrize(

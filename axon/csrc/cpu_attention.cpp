@@ -43,8 +43,13 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
 
 #include "cpu_vec.h"
 
@@ -546,6 +551,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   AXON_ATTN_CASE(at::kFloat, float, at::kFloat, float)
   AXON_ATTN_CASE(at::kBFloat16, c10::BFloat16, at::kBFloat16, c10::BFloat16)
   AXON_ATTN_CASE(at::kHalf, c10::Half, at::kHalf, c10::Half)
+  AXON_ATTN_CASE(at::kFloat, float, at::kFloat8_e4m3fn, c10::Float8_e4m3fn)
+  AXON_ATTN_CASE(at::kBFloat16, c10::BFloat16, at::kFloat8_e4m3fn, c10::Float8_e4m3fn)
+  AXON_ATTN_CASE(at::kFloat, float, at::kFloat8_e5m2, c10::Float8_e5m2)
+  AXON_ATTN_CASE(at::kBFloat16, c10::BFloat16, at::kFloat8_e5m2, c10::Float8_e5m2)
 #undef AXON_ATTN_CASE
   TORCH_CHECK(false, "paged_attention: unsupported dtypes q ", qt, ", cache ", ct);
 }
@@ -600,23 +609,40 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return attend(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale);
 }
 
+// The largest finite value of a cache type: an FP8 cache saturates there (a plain conversion
+// would make a larger value NaN).
+template <typename cache_t>
+constexpr float kCacheMax = std::numeric_limits<float>::max();
+template <>
+constexpr float kCacheMax<c10::Float8_e4m3fn> = 448.0f;
+template <>
+constexpr float kCacheMax<c10::Float8_e5m2> = 57344.0f;
+
 template <typename src_t, typename cache_t>
-void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n) {
+void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n, float inv_scale) {
   const int64_t width = src.size(1) * src.size(2);
   const src_t* s = src.data_ptr<src_t>();
   cache_t* c = cache.data_ptr<cache_t>();
   const int64_t src_stride = src.stride(0);
+  constexpr float limit = kCacheMax<cache_t>;
   for (int64_t t = 0; t < n; ++t) {
     if (slots[t] < 0) continue;
     const src_t* row = s + t * src_stride;
     cache_t* dst = c + slots[t] * width;
-    for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<cache_t>(row[i]);
+    if constexpr (sizeof(cache_t) == 1) {
+      for (int64_t i = 0; i < width; ++i) {
+        dst[i] = static_cast<cache_t>(std::clamp(static_cast<float>(row[i]) * inv_scale, -limit, limit));
+      }
+    } else {
+      for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<cache_t>(row[i]);
+    }
   }
 }
 
-// cache[slot_mapping[t]] = k[t] (and v) for every t with slot_mapping[t] >= 0.
+// cache[slot_mapping[t]] = k[t] (and v) for every t with slot_mapping[t] >= 0; an FP8 cache
+// holds k / k_scale (and v / v_scale), saturated.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
-              const at::Tensor& slot_mapping) {
+              const at::Tensor& slot_mapping, float k_scale = 1.0f, float v_scale = 1.0f) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 &&
                   k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
               "k and v must be [tokens, kv_heads, head_dim] with contiguous rows");
@@ -633,15 +659,19 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   }
   const auto st = k.scalar_type();
   const auto ct = k_cache.scalar_type();
-#define AXON_WRITE_CASE(ST, SC, CT, CC)       \
-  if (st == ST && ct == CT) {                 \
-    write_rows<SC, CC>(k, k_cache, slots, n); \
-    write_rows<SC, CC>(v, v_cache, slots, n); \
-    return;                                   \
+#define AXON_WRITE_CASE(ST, SC, CT, CC)                      \
+  if (st == ST && ct == CT) {                                \
+    write_rows<SC, CC>(k, k_cache, slots, n, 1.0f / k_scale); \
+    write_rows<SC, CC>(v, v_cache, slots, n, 1.0f / v_scale); \
+    return;                                                  \
   }
   AXON_WRITE_CASE(at::kFloat, float, at::kFloat, float)
   AXON_WRITE_CASE(at::kBFloat16, c10::BFloat16, at::kBFloat16, c10::BFloat16)
   AXON_WRITE_CASE(at::kHalf, c10::Half, at::kHalf, c10::Half)
+  AXON_WRITE_CASE(at::kFloat, float, at::kFloat8_e4m3fn, c10::Float8_e4m3fn)
+  AXON_WRITE_CASE(at::kBFloat16, c10::BFloat16, at::kFloat8_e4m3fn, c10::Float8_e4m3fn)
+  AXON_WRITE_CASE(at::kFloat, float, at::kFloat8_e5m2, c10::Float8_e5m2)
+  AXON_WRITE_CASE(at::kBFloat16, c10::BFloat16, at::kFloat8_e5m2, c10::Float8_e5m2)
 #undef AXON_WRITE_CASE
   TORCH_CHECK(false, "write_kv: unsupported dtypes k ", st, ", cache ", ct);
 }
@@ -656,14 +686,20 @@ void set_batch_invariant(bool invariant) { g_batch_invariant.store(invariant); }
 struct AttentionStep {
   std::vector<at::Tensor> k_caches, v_caches;  // per layer
   at::Tensor slot_mapping, block_table, query_start_loc, seq_lens;
+  at::Tensor kv_scales;  // FP8 caches: float32 [layers, 2] (k_scale, v_scale); 0: set at the first write
   int64_t num_actual_tokens = -1;  // -1: no step is set
 };
 thread_local AttentionStep t_step;
 
 void set_attention_step(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                        const at::Tensor& seq_lens, int64_t num_actual_tokens) {
+                        const at::Tensor& seq_lens, int64_t num_actual_tokens,
+                        const std::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size(), "one k and one v cache per layer");
+  const bool fp8 = k_caches[0].element_size() == 1;
+  TORCH_CHECK(!fp8 || (kv_scales.has_value() && kv_scales->scalar_type() == at::kFloat &&
+                       kv_scales->is_contiguous() && kv_scales->numel() == 2 * static_cast<int64_t>(k_caches.size())),
+              "an FP8 KV cache needs kv_scales: float32 [layers, 2]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1,
               "slot_mapping must be a contiguous int64 vector");
   const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
@@ -680,7 +716,7 @@ void set_attention_step(at::TensorList k_caches, at::TensorList v_caches, const 
                                       k_caches[0].options());
   check_metadata(q_like, k_caches[0], v_caches[0], block_table, query_start_loc, seq_lens, num_actual_tokens);
   t_step = AttentionStep{k_caches.vec(), v_caches.vec(), slot_mapping, block_table, query_start_loc, seq_lens,
-                         num_actual_tokens};
+                         fp8 ? *kv_scales : at::Tensor(), num_actual_tokens};
 }
 
 void clear_attention_step() { t_step = AttentionStep{}; }
@@ -697,9 +733,24 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.dim() == 3 && q.size(0) >= step.num_actual_tokens && q.size(2) == k_cache.size(3) &&
                   q.size(1) % k_cache.size(2) == 0,
               "q of shape ", q.sizes(), " does not fit the step's caches ", k_cache.sizes());
-  write_kv(k, v, k_cache, v_cache, step.slot_mapping);
-  return attend(q.contiguous(), k_cache, v_cache, step.block_table, step.query_start_loc, step.seq_lens,
-                step.num_actual_tokens, scale);
+  if (!step.kv_scales.defined()) {
+    write_kv(k, v, k_cache, v_cache, step.slot_mapping);
+    return attend(q.contiguous(), k_cache, v_cache, step.block_table, step.query_start_loc, step.seq_lens,
+                  step.num_actual_tokens, scale);
+  }
+  // FP8: the cache holds k / k_scale and v / v_scale, so scores take k_scale into the softmax
+  // scale and the output v_scale. A scale of 0 is calculated from this first write, as vLLM's
+  // --calculate-kv-scales does: amax / 200 for keys, amax / 100 for values (headroom for
+  // larger values later; past it they saturate).
+  float* scales = step.kv_scales.data_ptr<float>() + 2 * layer;
+  const int64_t n = step.num_actual_tokens;
+  if (scales[0] <= 0.0f) scales[0] = std::max(k.narrow(0, 0, n).abs().max().item<float>() / 200.0f, 1e-6f);
+  if (scales[1] <= 0.0f) scales[1] = std::max(v.narrow(0, 0, n).abs().max().item<float>() / 100.0f, 1e-6f);
+  write_kv(k, v, k_cache, v_cache, step.slot_mapping, scales[0], scales[1]);
+  at::Tensor out = attend(q.contiguous(), k_cache, v_cache, step.block_table, step.query_start_loc,
+                          step.seq_lens, n, scale * scales[0]);
+  if (scales[1] != 1.0f) out.mul_(scales[1]);
+  return out;
 }
 
 }  // namespace
@@ -713,7 +764,7 @@ TORCH_LIBRARY(axon_cpu, m) {
   m.def("set_batch_invariant(bool invariant) -> ()");
   m.def(
       "set_attention_step(Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
-      "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens) -> ()");
+      "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, Tensor? kv_scales=None) -> ()");
   m.def("clear_attention_step() -> ()");
   m.def("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
 }

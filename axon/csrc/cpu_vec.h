@@ -4,6 +4,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -33,6 +35,23 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// FP8 (the KV cache's one-byte forms), exactly. E5M2 is the top byte of a float16.
+inline __m512 load16(const c10::Float8_e5m2* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
+}
+// E4M3 (s eeee mmm, bias 7, no infinities): a normal code is the float32 with exponent e + 120
+// and mantissa m << 20; e == 0 is subnormal, m * 2^-9.
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i em = _mm512_and_si512(u, _mm512_set1_epi32(0x7f));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / 512.0f));
+  const __mmask16 small = _mm512_cmplt_epu32_mask(em, _mm512_set1_epi32(8));
+  const __m512 magnitude = _mm512_mask_mov_ps(normal, small, subnormal);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude), sign));
 }
 
 // e^x for x <= 0: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], 2^f by its Taylor series to

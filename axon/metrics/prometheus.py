@@ -169,15 +169,30 @@ class PrometheusStatLogger:
         self.kv_cache_usage_perc = gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
+        self._cache_info: Gauge | None = None
+        self._cache_info_labels: dict[str, str] = {}
         if cache_config_info:
-            names = sorted(cache_config_info)
-            info = Gauge(
+            labels = {name: str(value) for name, value in cache_config_info.items()}
+            labels.setdefault("num_gpu_blocks", "None")  # known once the engine has sized the cache
+            self._cache_info = Gauge(
                 "vllm:cache_config_info",
                 "Information of the LLMEngine CacheConfig",
-                names,
+                sorted(labels),
                 registry=self.registry,
             )
-            info.labels(*(str(cache_config_info[n]) for n in names)).set(1)
+            self._set_cache_info(labels)
+
+    def _set_cache_info(self, labels: dict[str, str]) -> None:
+        assert self._cache_info is not None
+        if self._cache_info_labels:
+            self._cache_info.remove(*(self._cache_info_labels[n] for n in sorted(self._cache_info_labels)))
+        self._cache_info_labels = labels
+        self._cache_info.labels(*(labels[n] for n in sorted(labels))).set(1)
+
+    def record_num_blocks(self, num_blocks: int) -> None:
+        """The KV cache's size in blocks, as vLLM's cache_config_info reports it (num_gpu_blocks)."""
+        if self._cache_info is not None:
+            self._set_cache_info({**self._cache_info_labels, "num_gpu_blocks": str(num_blocks)})
 
     def _make_counters(self) -> None:
         def counter(name: str, doc: str) -> Counter:

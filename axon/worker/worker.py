@@ -112,6 +112,9 @@ class Worker:
             config.compilation_config.attention_backend, self.device, cpu_kernels
         )
         backend = get_attention_backend(self.attention_backend, cache_root)
+        self.kv_dtype = _kv_cache_dtype(
+            config.cache_config.kv_cache_dtype, self.dtype, self.attention_backend
+        )
         self.linear_backend = resolve_linear_backend(
             config.compilation_config.linear_backend, self.dtype, self.device, cpu_kernels
         )
@@ -212,7 +215,7 @@ class Worker:
 
     def bytes_per_block(self) -> int:
         """K and V of one block in every layer (the draft's included)."""
-        block_size, elem = self.config.cache_config.block_size, self.dtype.itemsize
+        block_size, elem = self.config.cache_config.block_size, self.kv_dtype.itemsize
         return sum(
             2 * block_size * layer.spec.num_kv_heads * layer.spec.head_dim * elem
             for layers in self._kv_layers()
@@ -243,17 +246,25 @@ class Worker:
         block_size = self.config.cache_config.block_size
         self.kv_caches = []
         gib = num_blocks * self.bytes_per_block() / _GIB
-        size = f"{num_blocks} blocks of {self.config.cache_config.block_size} tokens ({gib:.2f} GiB)"
+        size = f"{num_blocks} blocks of {self.config.cache_config.block_size} tokens ({gib:.2f} GiB, {self.kv_dtype})"
         if self.device.type == "cpu":
             # The process's RSS grows by up to this much as blocks are first used (README,
             # "Memory of the engine process").
             size += ", resident as blocks are first used"
         with startup_phase(f"allocating the KV cache: {size}"):
             for layers in self._kv_layers():
+                # An FP8 cache's per-layer (k_scale, v_scale): 1.0, or 0 to be calculated from
+                # the first step (calculate_kv_scales); the kernel reads and sets them in place.
+                fp8 = self.kv_dtype.itemsize == 1
+                initial = 0.0 if self.config.cache_config.calculate_kv_scales else 1.0
+                scales = torch.full((len(layers), 2), initial) if fp8 else None
                 for i, layer in enumerate(layers):
                     shape = (num_blocks, block_size, layer.spec.num_kv_heads, layer.spec.head_dim)
-                    kv = (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
-                    layer.bind_kv_cache(i, kv)
+                    kv = (
+                        _zeros(shape, self.kv_dtype, self.device),
+                        _zeros(shape, self.kv_dtype, self.device),
+                    )
+                    layer.bind_kv_cache(i, kv, scales)
                     self.kv_caches.append(kv)
 
     def init_thread(self) -> None:
@@ -264,6 +275,21 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+_FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _kv_cache_dtype(name: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+    """The cache's element type: the model's, or an FP8 type, which only the C++ kernel reads."""
+    if name == "auto":
+        return model_dtype
+    if attention_backend != "cpu_flash":
+        raise ValueError(
+            f"kv_cache_dtype {name!r} needs attention_backend 'cpu_flash' (axon's C++ CPU kernel, "
+            f"the CPU default), got {attention_backend!r}"
+        )
+    return _FP8_KV_DTYPES[name]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

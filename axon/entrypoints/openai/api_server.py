@@ -127,6 +127,7 @@ class ServerState:
         try:
             self.engine = self._make_engine()
             await self.engine.start()
+            self.prometheus.record_num_blocks(self.engine.num_blocks)
         except Exception as e:  # noqa: BLE001 (any start-up failure ends the server, with its reason)
             logger.error("the engine failed to start: %s", e)
             self.exit(1)

@@ -74,6 +74,7 @@ class CpuFlashAttentionBackend(AttentionBackend):
             metadata.query_start_loc,
             metadata.seq_lens,
             common.num_actual_tokens,
+            layers[0].kv_scales,
         )
 
     def end_step(self) -> None:

@@ -50,15 +50,23 @@ class Attention(nn.Module):
         backend.check_spec(self.spec)
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # An FP8 cache's float32 [layers, 2] (k_scale, v_scale) of this layer's model, shared
+        # by its layers; None: the cache holds K and V as they are.
+        self.kv_scales: torch.Tensor | None = None
         self.layer_idx = -1  # the layer's place in the model; bound by the runner
 
     @property
     def is_decoder(self) -> bool:
         return self.spec.attn_type is AttentionType.DECODER
 
-    def bind_kv_cache(self, layer_idx: int, kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def bind_kv_cache(
+        self,
+        layer_idx: int,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
         assert (kv_cache is not None) == self.is_decoder, "decoder layers, and only they, have a KV cache"
-        self.layer_idx, self.kv_cache = layer_idx, kv_cache
+        self.layer_idx, self.kv_cache, self.kv_scales = layer_idx, kv_cache, kv_scales
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, H, D]; k, v [T, KVH, D] -> [T, H, D]
