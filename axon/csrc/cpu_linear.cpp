@@ -47,6 +47,7 @@
 #include <atomic>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -461,6 +462,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
   m.def("linear_supported() -> bool");
+  m.def("quant_linear_supported() -> bool");
   m.def("linear_amx_available() -> bool");
   m.def("linear_uses_amx() -> bool");
   m.def("set_linear_amx(bool enabled) -> bool");
@@ -473,6 +475,7 @@ TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
 
 TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {
   m.impl("linear_supported", &linear_supported);
+  m.impl("quant_linear_supported", &quant_linear_supported);
   m.impl("linear_amx_available", &linear_amx_available);
   m.impl("linear_uses_amx", &linear_uses_amx);
   m.impl("set_linear_amx", &set_linear_amx);

@@ -5,7 +5,8 @@
 // output column n and ``group`` consecutive inputs (g = k / group). The codes keep the bf16
 // layout's panel order, one byte or half a byte each (axon/model/layers/quant.py packs them):
 //
-//   int8  (kind 0): signed bytes,   packed[panel][k / 2][block 0..3][column 0..15][k % 2]
+//   int8  (kind 0): bytes -127..127, packed[panel][k / 2][block 0..3][column 0..15][k % 2],
+//                   stored sign-magnitude and each 64 in unpacking order (bytes_to_bf16)
 //   fp8   (kind 2): FP8 E4M3 bytes, the same order
 //   uint4 (kind 1): codes 0..15, one step in 64 bytes: bytes 0-31 hold block 0 in their low
 //                   nibbles and block 1 in their high nibbles, bytes 32-63 blocks 2 and 3
@@ -35,30 +36,68 @@ struct QuantWeight {
   int64_t KG() const { return 2 * K2 / group; }
 };
 
-#if defined(__AVX512BF16__)
+// The decoders below need AVX-512 VBMI (byte permutes) beside AVX-512 BF16: every CPU with
+// AMX has it, and AMD Zen 4.
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define AXON_QUANT_LINEAR 1
+#endif
 
-// 32 E4M3 codes (s eeee mmm, bias 7, no infinities) -> their 32 exact bf16 values. A normal
-// code is the bf16 with exponent e + 120 and mantissa m << 4; e == 0 is subnormal, m * 2^-9,
-// looked up.
-inline __m512i fp8_to_bf16(__m256i bytes) {
-  // bf16 bits of m * 2^-9 for m = 0..7 (lanes 8-31 unused)
-  const __m512i subnormals = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                              0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
-  const __m512i v = _mm512_cvtepu8_epi16(bytes);
-  const __m512i em = _mm512_and_si512(v, _mm512_set1_epi16(0x7f));
-  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
-  const __mmask32 small = _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8));
-  const __m512i magnitude = _mm512_mask_permutexvar_epi16(normal, small, em, subnormals);
-  // sign: bit 7 of the code -> bit 15; (a & b) | c is ternary-logic table 0xEA
-  return _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)),
-                                   magnitude, 0xEA);
+bool quant_linear_supported() {
+#if defined(AXON_QUANT_LINEAR)
+  return true;
+#else
+  return false;
+#endif
 }
 
-// 32 int8 codes -> their 32 exact bf16 values (through float32).
-inline __m512i int8_to_bf16(__m256i bytes) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#if defined(AXON_QUANT_LINEAR)
+
+// Byte codes (int8 and E4M3) are stored sign-magnitude (bit 7 the sign, bits 0-6 the
+// magnitude; quant.py turns int8's two's complement into it), so one decoder serves both: the
+// magnitude looks up its bf16 bits' high and low bytes in two 128-entry tables (vpermi2b), the
+// sign joins the high byte, and unpacking interleaves the bytes into 16-bit lanes. Unpacking
+// works within 128-bit lanes, so quant.py stores each 64 codes in the order that puts codes 0-31
+// in the first result and 32-63 in the second. Four instructions a 32-code block, against six
+// through float32.
+struct ByteTables {
+  __m512i hi[2], lo[2];  // entries 0-63 and 64-127
+};
+
+// bf16 bits of each magnitude m = 0..127: the integer m (int8) or the E4M3 value of code m.
+inline ByteTables make_byte_tables(int64_t kind) {
+  alignas(64) uint8_t hi[128], lo[128];
+  for (int m = 0; m < 128; ++m) {
+    float value;
+    if (kind == kInt8) {
+      value = static_cast<float>(m);
+    } else {
+      const int e = m >> 3, mant = m & 7;
+      value = e == 0 ? mant / 512.0f : std::ldexp(1.0f + mant / 8.0f, e - 7);
+    }
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    const uint16_t bf16 = static_cast<uint16_t>(bits >> 16);  // exact: at most 8 significant bits
+    hi[m] = static_cast<uint8_t>(bf16 >> 8);
+    lo[m] = static_cast<uint8_t>(bf16 & 0xff);
+  }
+  ByteTables t;
+  for (int half = 0; half < 2; ++half) {
+    t.hi[half] = _mm512_load_si512(hi + 64 * half);
+    t.lo[half] = _mm512_load_si512(lo + 64 * half);
+  }
+  return t;
+}
+
+// 64 stored byte codes -> two blocks of 32 bf16 values.
+inline void bytes_to_bf16(const ByteTables& t, const uint8_t* src, uint16_t* dst0, uint16_t* dst1) {
+  const __m512i v = _mm512_loadu_si512(src);
+  const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi8(0x7f));
+  const __m512i hi_bits = _mm512_permutex2var_epi8(t.hi[0], magnitude, t.hi[1]);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], magnitude, t.lo[1]);
+  // (a & b) | c, ternary-logic table 0xEA: the code's sign bit into the high byte
+  const __m512i hi = _mm512_ternarylogic_epi32(v, _mm512_set1_epi8(static_cast<char>(0x80)), hi_bits, 0xEA);
+  _mm512_storeu_si512(dst0, _mm512_unpacklo_epi8(lo, hi));
+  _mm512_storeu_si512(dst1, _mm512_unpackhi_epi8(lo, hi));
 }
 
 template <int64_t kind>
@@ -68,6 +107,7 @@ constexpr int64_t kCodeStepBytes = kind == kUInt4 ? kGroupCols : 2 * kGroupCols;
 template <int64_t kind>
 void decode_steps(const QuantWeight& q, int64_t g, int64_t first, int64_t last, const uint8_t* next, uint16_t* out) {
   constexpr int64_t step_bytes = kCodeStepBytes<kind>;
+  static const ByteTables tables = make_byte_tables(kind);
   const uint8_t* codes = q.codes + g * q.K2 * step_bytes;
   for (int64_t k2 = first; k2 < last; ++k2) {
     const uint8_t* step = codes + k2 * step_bytes;
@@ -84,10 +124,8 @@ void decode_steps(const QuantWeight& q, int64_t g, int64_t first, int64_t last, 
         _mm512_storeu_si512(dst + 64 * pair + 32, hi);
       }
     } else {
-      for (int b = 0; b < 4; ++b) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * b));
-        _mm512_storeu_si512(dst + 32 * b, kind == kInt8 ? int8_to_bf16(bytes) : fp8_to_bf16(bytes));
-      }
+      bytes_to_bf16(tables, step, dst, dst + 32);
+      bytes_to_bf16(tables, step + 64, dst + 64, dst + 96);
     }
   }
 }
@@ -307,13 +345,13 @@ void run_quant_linear_on_best_path(const uint16_t* x, int64_t M, int64_t K, cons
   run_quant_linear<kind, out_t>(x, M, K, q, xsum, N, bias, y);
 }
 
-#endif  // __AVX512BF16__
+#endif  // AXON_QUANT_LINEAR
 
 // x [..., K] bf16 times a quantized [N, K] weight (layout above) -> [..., N] + bias.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, int64_t kind, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, int64_t group, int64_t N,
                         const std::optional<at::Tensor>& bias, bool float_out) {
-#if defined(__AVX512BF16__)
+#if defined(AXON_QUANT_LINEAR)
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "quant_linear takes bfloat16 input, got ", x.scalar_type());
   TORCH_CHECK(kind == kInt8 || kind == kUInt4 || kind == kFp8E4M3, "quant_linear: unknown code kind ", kind);
   const int64_t K = x.size(-1), panels = (N + kGroupCols - 1) / kGroupCols;
@@ -343,6 +381,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, int64_t ki
     }
   });
 #else
-  TORCH_CHECK(false, "quant_linear needs a CPU with AVX-512 BF16 (see linear_supported())");
+  TORCH_CHECK(false, "quant_linear needs a CPU with AVX-512 BF16 and VBMI (see quant_linear_supported())");
 #endif
 }

@@ -152,17 +152,38 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     )
 
 
+def _unpack_order() -> torch.Tensor:
+    """Where each of 64 byte codes is stored so that the kernel's in-lane unpacking yields codes
+    0-31, then 32-63 (``bytes_to_bf16`` in cpu_linear_quant.h): stored[position[j]] = code j."""
+    j = torch.arange(64)
+    half, within = j // 32, j % 32
+    return 16 * (within // 8) + 8 * half + within % 8
+
+
+_UNPACK_ORDER = _unpack_order()
+
+
 def pack_codes(codes: torch.Tensor, kind: int) -> torch.Tensor:
-    """[N, K] codes -> the kernel's panel order (``cpu_linear.cpp``), flat uint8; rows past N are 0."""
+    """[N, K] codes -> the kernel's panel order (``cpu_linear_quant.h``), flat uint8; rows past N
+    are 0. Byte codes (int8, fp8) are stored sign-magnitude, each 64 in unpacking order."""
     n, k = codes.shape
     groups = -(-n // GROUP_COLS)
-    raw = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
+    if kind == KIND_INT8:
+        if bool((codes == -128).any()):
+            raise ValueError("int8 codes must lie in -127..127")
+        raw = (codes.to(torch.int16).abs() | ((codes < 0).to(torch.int16) << 7)).to(torch.uint8)
+    else:
+        raw = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
     padded = torch.zeros(groups * GROUP_COLS, k, dtype=torch.uint8)
     padded[:n] = raw
     # [group][block][column][k2][k % 2] -> [group][k2][block][column][k % 2]
     steps = padded.view(groups, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).reshape(groups, k // 2, 4, 32)
     if kind == KIND_UINT4:  # blocks 0 and 2 in low nibbles, 1 and 3 in high ones
         steps = steps[:, :, 0::2] | (steps[:, :, 1::2] << 4)
+    else:
+        chunks = steps.reshape(groups, k // 2, 2, 64)
+        steps = torch.empty_like(chunks)
+        steps[..., _UNPACK_ORDER] = chunks
     return steps.contiguous().view(-1)
 
 
@@ -175,6 +196,12 @@ def pack_table(table: torch.Tensor) -> torch.Tensor:
     return padded.view(groups, GROUP_COLS, kg).transpose(1, 2).contiguous().view(-1)
 
 
+def quant_kernel_supported() -> bool:
+    """axon's quantized GEMM is loaded and this CPU runs it (AVX-512 BF16 and VBMI)."""
+    ops = torch.ops.axon_cpu
+    return hasattr(ops, "quant_linear_supported") and bool(ops.quant_linear_supported())
+
+
 class QuantLinear(nn.Module):
     """``nn.Linear``'s forward on a ``QuantizedWeight``: axon's kernel where ``use_kernel``, else
     dequantize and ``F.linear``."""
@@ -185,7 +212,7 @@ class QuantLinear(nn.Module):
         self.kind, self.group = weight.kind, weight.group
         self.register_buffer("bias", bias, persistent=False)
         # The kernel takes groups of 16 inputs or more (one tile product each).
-        self.use_kernel = use_kernel and weight.group % 16 == 0
+        self.use_kernel = use_kernel and weight.group % 16 == 0 and quant_kernel_supported()
         self.weight_bytes = weight.nbytes()
         if self.use_kernel:
             self.register_buffer("codes", pack_codes(weight.codes, weight.kind), persistent=False)
