@@ -52,7 +52,8 @@ class ModelConfig:
     int8: signed 8-bit codes, one scale per output channel (W8A16); int4: codes 0..15 with a
     scale and a minimum per group of inputs (W4A16); fp8: FP8 E4M3 codes, one scale per output
     channel; all three computed at load. gguf: a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K,
-    Q5_K, Q6_K), kept quantized. Every linear layer, the LM head included."""
+    Q5_K, Q6_K), kept quantized. Every linear layer but the LM head (as vLLM); gguf: the file's
+    layers, the LM head included."""
     quantization_group_size: int | None = None
     """int8 and int4: inputs per scale, a multiple of 16 that divides every layer's inputs; None:
     int4 128 (or the largest power of two under it that divides a layer's inputs), int8 one

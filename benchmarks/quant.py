@@ -84,10 +84,23 @@ class AxonEngine:
 
 
 class LlamaCppEngine:
-    def __init__(self, path: str) -> None:
-        from llama_cpp import Llama
+    """llama.cpp without its "extra buffer types" (the AMX weight repacking): built here
+    (0.3.36, GCC 12, native), that path dies with SIGILL at its first ``tileloadd``
+    (``ggml_backend_amx_mul_mat``), so llama.cpp runs its AVX-512 (VNNI) kernels."""
 
-        self.llm = Llama(model_path=path, n_ctx=2048, n_threads=2, n_batch=512, verbose=False)
+    def __init__(self, path: str) -> None:
+        import llama_cpp
+        import llama_cpp.llama
+
+        default = llama_cpp.llama_model_default_params
+
+        def without_extra_buffers():  # Llama() has no keyword for it
+            params = default()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = without_extra_buffers
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_threads=2, n_batch=512, verbose=False)
 
     def generate(self, prompt: list[int], output_len: int) -> int:
         self.llm.reset()
@@ -151,7 +164,7 @@ def main() -> None:
     files = {"q4_1": source, "q8_0": gguf_file("q8_0", source)}
     names = args.configs.split(",")
     # llama.cpp first where the Q8_0 file is missing: it makes the file axon's gguf-q8_0 reads.
-    names.sort(key=lambda n: (n not in LLAMACPP_CONFIGS, names.index(n)))
+    names = [n for n in names if n in LLAMACPP_CONFIGS] + [n for n in names if n not in LLAMACPP_CONFIGS]
     rows = []
     for name in names:
         python = args.llamacpp_python if name in LLAMACPP_CONFIGS else sys.executable

@@ -12,6 +12,9 @@ Against the baseline (bf16 weights dequantized from the GGUF file, bf16 KV cache
   config does not list gets the config's 20th logprob, an upper bound on its probability);
 
 and ``gguf`` (the same file kept quantized) against its own dequantized self, the baseline.
+``fp32`` (the same dequantized weights in float32, exact) shows how much of a disagreement is
+bf16's own rounding: the baseline rounds each dequantized weight to bf16, while the quantized
+GEMM multiplies by the exact codes and applies the float32 scales after each group's sum.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import math
 from benchmarks.common import cpu_summary, markdown_table
 
 CONFIGS = {
+    "fp32": {"dtype": "float32"},  # the GGUF's exact dequantized weights: how far bf16 itself is
     "gguf": {"quantization": "gguf"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    "int4-g32": {"quantization": "int4", "quantization_group_size": 32},
     "fp8": {"quantization": "fp8"},
     "kv_fp8": {"kv_cache_dtype": "fp8"},
     "kv_fp8_calc": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
@@ -73,7 +78,8 @@ def top_logprobs(options: dict, token_prompts: list[list[int]], positions: int) 
     from axon import LLM
     from axon.sampling_params import SamplingParams
 
-    llm = LLM(dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False, **options)
+    options = {"dtype": "bfloat16", **options}
+    llm = LLM(max_model_len=1024, enable_prefix_caching=False, **options)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=20)
     outputs = llm.generate([{"prompt_token_ids": p} for p in token_prompts], params)
     rows: list[dict[int, float]] = []
@@ -101,9 +107,12 @@ def main() -> None:
     )
     parser.add_argument("--positions", type=int, default=2000)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument(
+        "--baseline", default="bf16", choices=["bf16", "fp32"], help="what the configs are compared with"
+    )
     args = parser.parse_args()
     token_prompts = prompts(args.positions)
-    base = top_logprobs({}, token_prompts, args.positions)
+    base = top_logprobs({} if args.baseline == "bf16" else CONFIGS["fp32"], token_prompts, args.positions)
     rows = []
     for name in args.configs.split(","):
         agreement, kl = compare(base, top_logprobs(CONFIGS[name], token_prompts, args.positions))
@@ -116,7 +125,9 @@ def main() -> None:
             ]
         )
         print(f"{name}: top-1 agreement {100 * agreement:.2f}%, mean KL {kl:.4f}", flush=True)
-    print(f"\n{cpu_summary()}; {len(base)} positions of SmolLM2-135M-Instruct against bf16 weights and KV\n")
+    print(
+        f"\n{cpu_summary()}; {len(base)} positions of SmolLM2-135M-Instruct against {args.baseline} weights and KV\n"
+    )
     print(markdown_table(["config", "options", "top-1 agreement", "mean KL (top 20)"], rows))
 
 
