@@ -43,6 +43,7 @@ AXON_CONFIGS: dict[str, dict[str, Any]] = {
     "gguf-q8_0": {"quantization": "gguf", "model": "q8_0"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    "int4-g32": {"quantization": "int4", "quantization_group_size": 32},
     "fp8": {"quantization": "fp8"},
     "int8-kvfp8": {"quantization": "int8", "kv_cache_dtype": "fp8"},
 }

@@ -11,8 +11,8 @@
 //   uint4 (kind 1): codes 0..15, one step in 64 bytes: bytes 0-31 hold block 0 in their low
 //                   nibbles and block 1 in their high nibbles, bytes 32-63 blocks 2 and 3
 //
-// scales (and mins): float32 [panel][K / group][64 columns]. uint4 weights always have mins,
-// given as min - 128 * scale (the kernel multiplies by 128 + code, below).
+// scales (and mins): [panel][K / group][64 columns], float32 or float16 (where every value is one:
+// GGUF's Q8_0, Q4_0 and Q4_1 store theirs so). uint4 weights always have mins.
 //
 // Every code is exactly a bf16 number (|int8| < 256, E4M3 has 3 mantissa bits), so a call
 // turns a panel's codes into a bf16 panel in a thread's buffer, without rounding, and multiplies
@@ -29,10 +29,11 @@ enum QuantKind : int64_t { kInt8 = 0, kUInt4 = 1, kFp8E4M3 = 2 };
 
 struct QuantWeight {
   const uint8_t* codes;
-  const float* scales;
-  const float* mins;  // nullptr: none
-  int64_t group;      // inputs per scale: a multiple of 16
-  int64_t K2;         // input pairs
+  const void* scales;  // float32, or float16 where every value is one (GGUF's Q8_0, Q4_0, Q4_1)
+  const void* mins;    // the same type; nullptr: none
+  bool half_tables;
+  int64_t group;  // inputs per scale: a multiple of 16
+  int64_t K2;     // input pairs
   int64_t KG() const { return 2 * K2 / group; }
 };
 
@@ -147,15 +148,41 @@ void group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t group, float* o
   });
 }
 
-// total += scale * partial (+ min * xsum): one group's 16 columns of one row.
-inline __m512 add_group(__m512 total, __m512 partial, const float* s, const float* mn, float xsum) {
-  total = _mm512_fmadd_ps(partial, _mm512_loadu_ps(s), total);
-  if (mn != nullptr) total = _mm512_fmadd_ps(_mm512_set1_ps(xsum), _mm512_loadu_ps(mn), total);
+// One group's scales and mins for the panel's 64 columns, as float32. uint4 codes run as
+// 128 + code, so their min becomes min - 128 * scale.
+struct GroupTables {
+  __m512 scale[4], min[4];
+  bool has_min;
+};
+
+inline __m512 load_table16(const void* table, int64_t index, bool half) {
+  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                   static_cast<const uint16_t*>(table) + index)));
+  return _mm512_loadu_ps(static_cast<const float*>(table) + index);
+}
+
+template <int64_t kind>
+inline GroupTables load_group(const QuantWeight& q, int64_t g, int64_t kg) {
+  GroupTables t;
+  const int64_t base = (g * q.KG() + kg) * kGroupCols;
+  t.has_min = q.mins != nullptr;
+  for (int b = 0; b < 4; ++b) {
+    t.scale[b] = load_table16(q.scales, base + 16 * b, q.half_tables);
+    t.min[b] = t.has_min ? load_table16(q.mins, base + 16 * b, q.half_tables) : _mm512_setzero_ps();
+    if constexpr (kind == kUInt4) t.min[b] = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), t.scale[b], t.min[b]);
+  }
+  return t;
+}
+
+// total += scale * partial (+ min * xsum): one group's 16 columns (block b) of one row.
+inline __m512 add_group(__m512 total, __m512 partial, const GroupTables& t, int b, float xsum) {
+  total = _mm512_fmadd_ps(partial, t.scale[b], total);
+  if (t.has_min) total = _mm512_fmadd_ps(_mm512_set1_ps(xsum), t.min[b], total);
   return total;
 }
 
 // Rows m0 .. m0 + MB - 1 times one decoded panel on vdpbf16ps, group by group, into acc.
-template <int MB>
+template <int64_t kind, int MB>
 inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, const QuantWeight& q,
                              int64_t g, const float* xsum, __m512 (&total)[kRowsPerPass][4]) {
   const int64_t KG = q.KG(), steps = q.group / 2;
@@ -178,13 +205,10 @@ inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* pan
         for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], a, w[b]);
       }
     }
-    const float* s = q.scales + (g * KG + kg) * kGroupCols;
-    const float* mn = q.mins != nullptr ? q.mins + (g * KG + kg) * kGroupCols : nullptr;
+    const GroupTables t = load_group<kind>(q, g, kg);
     for (int m = 0; m < MB; ++m) {
-      const float xs = mn != nullptr ? xsum[m * KG + kg] : 0.0f;
-      for (int b = 0; b < 4; ++b) {
-        total[m][b] = add_group(total[m][b], acc[m][b], s + 16 * b, mn != nullptr ? mn + 16 * b : nullptr, xs);
-      }
+      const float xs = t.has_min ? xsum[m * KG + kg] : 0.0f;
+      for (int b = 0; b < 4; ++b) total[m][b] = add_group(total[m][b], acc[m][b], t, b, xs);
     }
   }
 }
@@ -213,12 +237,12 @@ void run_quant_linear(const uint16_t* x, int64_t M, int64_t K, const QuantWeight
         const float* xs = xsum != nullptr ? xsum + m0 * KG : nullptr;
         out_t* ym = y + m0 * N;
         switch (std::min<int64_t>(kRowsPerPass, M - m0)) {
-          case 6: quant_panel_rows<6>(xm, K, panel.data(), q, g, xs, total); store_rows<6>(total, ym, N, g * kGroupCols, N, bias); break;
-          case 5: quant_panel_rows<5>(xm, K, panel.data(), q, g, xs, total); store_rows<5>(total, ym, N, g * kGroupCols, N, bias); break;
-          case 4: quant_panel_rows<4>(xm, K, panel.data(), q, g, xs, total); store_rows<4>(total, ym, N, g * kGroupCols, N, bias); break;
-          case 3: quant_panel_rows<3>(xm, K, panel.data(), q, g, xs, total); store_rows<3>(total, ym, N, g * kGroupCols, N, bias); break;
-          case 2: quant_panel_rows<2>(xm, K, panel.data(), q, g, xs, total); store_rows<2>(total, ym, N, g * kGroupCols, N, bias); break;
-          default: quant_panel_rows<1>(xm, K, panel.data(), q, g, xs, total); store_rows<1>(total, ym, N, g * kGroupCols, N, bias); break;
+          case 6: quant_panel_rows<kind, 6>(xm, K, panel.data(), q, g, xs, total); store_rows<6>(total, ym, N, g * kGroupCols, N, bias); break;
+          case 5: quant_panel_rows<kind, 5>(xm, K, panel.data(), q, g, xs, total); store_rows<5>(total, ym, N, g * kGroupCols, N, bias); break;
+          case 4: quant_panel_rows<kind, 4>(xm, K, panel.data(), q, g, xs, total); store_rows<4>(total, ym, N, g * kGroupCols, N, bias); break;
+          case 3: quant_panel_rows<kind, 3>(xm, K, panel.data(), q, g, xs, total); store_rows<3>(total, ym, N, g * kGroupCols, N, bias); break;
+          case 2: quant_panel_rows<kind, 2>(xm, K, panel.data(), q, g, xs, total); store_rows<2>(total, ym, N, g * kGroupCols, N, bias); break;
+          default: quant_panel_rows<kind, 1>(xm, K, panel.data(), q, g, xs, total); store_rows<1>(total, ym, N, g * kGroupCols, N, bias); break;
         }
       }
     }
@@ -282,15 +306,12 @@ void quant_block_tiles(const uint16_t* x, int64_t ldx, int64_t rows, const uint1
     _tile_stored(1, c + 16, kGroupCols * 4);
     _tile_stored(2, c + 32, kGroupCols * 4);
     _tile_stored(3, c + 48, kGroupCols * 4);
-    const float* s = q.scales + (g * KG + kg) * kGroupCols;
-    const float* mn = q.mins != nullptr ? q.mins + (g * KG + kg) * kGroupCols : nullptr;
+    const GroupTables tables = load_group<kind>(q, g, kg);
     for (int64_t r = 0; r < rows; ++r) {
-      const float xs = mn != nullptr ? xsum[r * KG + kg] : 0.0f;
+      const float xs = tables.has_min ? xsum[r * KG + kg] : 0.0f;
       for (int b = 0; b < 4; ++b) {
         float* t = total + r * kGroupCols + 16 * b;
-        const __m512 sum = add_group(_mm512_load_ps(t), _mm512_load_ps(c + r * kGroupCols + 16 * b), s + 16 * b,
-                                     mn != nullptr ? mn + 16 * b : nullptr, xs);
-        _mm512_store_ps(t, sum);
+        _mm512_store_ps(t, add_group(_mm512_load_ps(t), _mm512_load_ps(c + r * kGroupCols + 16 * b), tables, b, xs));
       }
     }
   }
@@ -361,14 +382,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, int64_t ki
   TORCH_CHECK(codes.is_contiguous() && codes.numel() * codes.element_size() == code_bytes,
               "quant_linear: codes do not match ", N, " outputs of ", K, " inputs");
   const int64_t table = panels * (K / group) * kGroupCols;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == table,
-              "quant_linear: scales must be ", table, " contiguous float32 values");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() && scales.numel() == table,
+              "quant_linear: scales must be ", table, " contiguous float32 or float16 values");
   const bool has_mins = mins.has_value() && mins->defined();
-  TORCH_CHECK(has_mins || kind != kUInt4, "quant_linear: uint4 codes need mins (min - 128 * scale)");
-  TORCH_CHECK(!has_mins || (mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == table),
-              "quant_linear: mins must be ", table, " contiguous float32 values");
-  const QuantWeight q{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
-                      has_mins ? mins->data_ptr<float>() : nullptr, group, K / 2};
+  TORCH_CHECK(has_mins || kind != kUInt4, "quant_linear: uint4 codes need mins");
+  TORCH_CHECK(!has_mins || (mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
+                            mins->numel() == table),
+              "quant_linear: mins must be ", table, " contiguous values of the scales' type");
+  const QuantWeight q{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+                      has_mins ? mins->data_ptr() : nullptr, half, group, K / 2};
   return linear_call(x, N, bias, float_out, [&](const uint16_t* xp, int64_t M, int64_t K, const float* b, auto* y) {
     std::vector<float> xsum(has_mins ? M * (K / group) : 0);
     if (has_mins) group_sums(xp, M, K, group, xsum.data());

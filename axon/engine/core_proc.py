@@ -19,6 +19,7 @@ deadlocked holding the GIL), not merely busy with a long step.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -78,6 +79,11 @@ def run_engine_core(config: AxonConfig, input_addr: str, output_addr: str) -> No
         from axon.engine.core import EngineCore
 
         core = EngineCore(config)
+        # The model and what start-up built live to the end: frozen out of the collector's
+        # reach (as vLLM freezes its heap), a collection during the steps walks only what the
+        # steps allocate (it was ~3% of a SmolLM2 decode step).
+        gc.collect()
+        gc.freeze()
         out.send_multipart(encode(READY, {"num_blocks": core.num_blocks, "pid": os.getpid()}))
         _loop(core, inp, out, _step_function(core))
         core.shutdown()

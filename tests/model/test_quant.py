@@ -172,3 +172,10 @@ def test_gguf_weights_run_on_the_kernel(bf16_path: str, tensor_type: GGMLQuantiz
 def test_a_gguf_type_not_kept_quantized_is_an_error_naming_it() -> None:
     with pytest.raises(ValueError, match="Q2_K is not kept quantized"):
         quantized_weight(np.zeros((1, 84), np.uint8), _T.Q2_K, 1, 256)
+
+
+def test_tables_are_float16_only_where_that_loses_nothing(bf16_kernel: None) -> None:
+    q4_1 = quantized_weight(_random_blocks(_T.Q4_1, 64, 256, seed=1), _T.Q4_1, 64, 256)
+    q4_k = quantized_weight(_random_blocks(_T.Q4_K, 64, 256, seed=2), _T.Q4_K, 64, 256)
+    assert QuantLinear(q4_1, None, True).scales.dtype == torch.float16  # ggml's own float16 d and m
+    assert QuantLinear(q4_k, None, True).scales.dtype == torch.float32  # d * sc is not a float16

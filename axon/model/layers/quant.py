@@ -216,11 +216,18 @@ class QuantLinear(nn.Module):
         self.weight_bytes = weight.nbytes()
         if self.use_kernel:
             self.register_buffer("codes", pack_codes(weight.codes, weight.kind), persistent=False)
-            self.register_buffer("scales", pack_table(weight.scales), persistent=False)
             mins = weight.mins
-            if weight.kind == KIND_UINT4:  # the kernel multiplies by 128 + code
-                mins = (mins if mins is not None else torch.zeros_like(weight.scales)) - 128.0 * weight.scales
-            self.register_buffer("mins", pack_table(mins) if mins is not None else None, persistent=False)
+            if mins is None and weight.kind == KIND_UINT4:  # the kernel takes uint4 codes with mins
+                mins = torch.zeros_like(weight.scales)
+            # float16 tables where that loses nothing (GGUF's Q8_0, Q4_0, Q4_1 scales are float16):
+            # fewer bytes to stream.
+            tables = [t for t in (weight.scales, mins) if t is not None]
+            half = all(torch.equal(t.half().float(), t) for t in tables)
+            dtype = torch.float16 if half else torch.float32
+            self.register_buffer("scales", pack_table(weight.scales).to(dtype), persistent=False)
+            self.register_buffer(
+                "mins", pack_table(mins).to(dtype) if mins is not None else None, persistent=False
+            )
         else:
             self.weight = weight
 
