@@ -48,10 +48,11 @@ class ModelConfig:
     """Pooling models only, JSON: {"pooling_type": "LAST"|"MEAN"|"CLS"|"MAX", "normalize": bool,
     "instruction": str}; see axon/model/pooler.py, which checks it."""
     quantization: str | None = None
-    """How linear weights are stored (vLLM's flag): int8 | int4 | fp8 | gguf; None: as loaded.
-    int8: signed 8-bit codes, one scale per output channel (W8A16); int4: codes 0..15 with a
-    scale and a minimum per group of inputs (W4A16); fp8: FP8 E4M3 codes, one scale per output
-    channel; all three computed at load. gguf: a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K,
+    """How linear weights are stored (vLLM's flag): int8 | int4 | fp8 | w8a8 | gguf; None: as
+    loaded. int8: signed 8-bit codes, one scale per output channel (W8A16); int4: codes 0..15
+    with a scale and a minimum per group of inputs (W4A16); fp8: FP8 E4M3 codes, one scale per
+    output channel; w8a8: int8 weights per output channel times activations quantized to int8
+    per token at each step, multiplied in int32 (AMX-INT8 / AVX-512 VNNI); all computed at load. gguf: a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K,
     Q5_K, Q6_K), kept quantized. Every linear layer but the LM head (as vLLM); gguf: the file's
     layers, the LM head included."""
     quantization_group_size: int | None = None
@@ -122,7 +123,7 @@ EXECUTOR_BACKENDS = ("uni",)  # see axon/executor/abstract.py
 PLANNED_EXECUTOR_BACKENDS = ("mp", "ray")  # vLLM's names, for the parallelism issue
 BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
 LINEAR_BACKENDS = ("auto", "cpu_bf16", "onednn", "torch")  # see axon/model/layers/linear.py
-QUANTIZATION_METHODS = ("int8", "int4", "fp8", "gguf")  # see axon/model/layers/quant.py
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "w8a8", "gguf")  # see axon/model/layers/quant.py
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 

@@ -45,6 +45,7 @@ AXON_CONFIGS: dict[str, dict[str, Any]] = {
     "int4": {"quantization": "int4"},
     "int4-g32": {"quantization": "int4", "quantization_group_size": 32},
     "fp8": {"quantization": "fp8"},
+    "w8a8": {"quantization": "w8a8"},
     "int8-kvfp8": {"quantization": "int8", "kv_cache_dtype": "fp8"},
 }
 LLAMACPP_CONFIGS = {"llamacpp-q4_1": "q4_1", "llamacpp-q8_0": "q8_0"}

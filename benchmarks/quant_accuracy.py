@@ -34,6 +34,7 @@ CONFIGS = {
     "int4": {"quantization": "int4"},
     "int4-g32": {"quantization": "int4", "quantization_group_size": 32},
     "fp8": {"quantization": "fp8"},
+    "w8a8": {"quantization": "w8a8"},
     "kv_fp8": {"kv_cache_dtype": "fp8"},
     "kv_fp8_calc": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
 }

@@ -457,12 +457,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }
 
 #include "cpu_linear_quant.h"
+#include "cpu_linear_w8a8.h"
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
   m.def("linear_supported() -> bool");
   m.def("quant_linear_supported() -> bool");
+  m.def("w8a8_linear_supported() -> bool");
   m.def("linear_amx_available() -> bool");
   m.def("linear_uses_amx() -> bool");
   m.def("set_linear_amx(bool enabled) -> bool");
@@ -471,11 +473,15 @@ TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
   m.def(
       "quant_linear(Tensor x, Tensor codes, int kind, Tensor scales, Tensor? mins, int group, int N, Tensor? bias, "
       "bool float_out) -> Tensor");
+  m.def(
+      "w8a8_linear(Tensor x, Tensor codes, Tensor w_scales, Tensor col_sums, int N, Tensor? bias, bool float_out) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {
   m.impl("linear_supported", &linear_supported);
   m.impl("quant_linear_supported", &quant_linear_supported);
+  m.impl("w8a8_linear_supported", &w8a8_linear_supported);
   m.impl("linear_amx_available", &linear_amx_available);
   m.impl("linear_uses_amx", &linear_uses_amx);
   m.impl("set_linear_amx", &set_linear_amx);
@@ -485,6 +491,7 @@ TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
   m.impl("quant_linear", &quant_linear);
+  m.impl("w8a8_linear", &w8a8_linear);
 }
 
 }  // namespace axon_cpu

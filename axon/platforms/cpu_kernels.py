@@ -194,6 +194,10 @@ def _register_fakes() -> None:
     def _(x, codes, kind, scales, mins, group, N, bias, float_out):
         return x.new_empty(*x.shape[:-1], N, dtype=torch.float32 if float_out else x.dtype)
 
+    @torch.library.register_fake("axon_cpu::w8a8_linear")
+    def _(x, codes, w_scales, col_sums, N, bias, float_out):
+        return x.new_empty(*x.shape[:-1], N, dtype=torch.float32 if float_out else x.dtype)
+
     @torch.library.register_fake("axon_cpu::attention")
     def _(q, k, v, layer, scale):
         return torch.empty_like(q)

@@ -18,8 +18,10 @@ from axon.model.layers.quant import (
     KIND_UINT4,
     QuantizedWeight,
     QuantLinear,
+    W8A8Linear,
     concat_rows,
     default_group_size,
+    quantize_activations,
     quantize_weight,
 )
 from axon.model.loader.gguf_blocks import KEPT_QUANTIZED, quantized_weight
@@ -179,3 +181,26 @@ def test_tables_are_float16_only_where_that_loses_nothing(bf16_kernel: None) -> 
     q4_k = quantized_weight(_random_blocks(_T.Q4_K, 64, 256, seed=2), _T.Q4_K, 64, 256)
     assert QuantLinear(q4_1, None, True).scales.dtype == torch.float16  # ggml's own float16 d and m
     assert QuantLinear(q4_k, None, True).scales.dtype == torch.float32  # d * sc is not a float16
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(192, 576, 1), (100, 64, 17), (300, 576, 40), (70, 1536, 33)])
+def test_w8a8_kernel_equals_its_arithmetic_in_float64(bf16_path: str, n: int, k: int, m: int) -> None:
+    gen = torch.Generator().manual_seed(n + m)
+    weight = quantize_weight(torch.randn(n, k, generator=gen) * 0.05, "int8", None)
+    bias = torch.randn(n, generator=gen)
+    kernel, reference = W8A8Linear(weight, bias, True), W8A8Linear(weight, bias, False)
+    assert kernel.use_kernel and not reference.use_kernel
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    got, want = kernel(x, float_out=True), reference(x, float_out=True)
+    # The int32 sums are exact; only the float32 scaling rounds.
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for rows in (1, 16, m):  # each row the same whatever the batch
+        assert torch.equal(kernel(x[:rows], float_out=True), got[:rows])
+
+
+def test_w8a8_activations_are_quantized_per_row() -> None:
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
+    codes, scales = quantize_activations(x)
+    assert torch.equal(scales.flatten(), torch.tensor([2.0 / 127, 1.0]))
+    assert torch.equal(codes[0], torch.tensor([64.0, -127.0, 32.0], dtype=torch.float64))  # 63.5 -> 64 (even)
+    assert torch.equal(codes[1], torch.zeros(3, dtype=torch.float64))

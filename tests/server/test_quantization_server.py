@@ -24,6 +24,7 @@ SERVERS = {
     "int8": ["--quantization", "int8", "--enforce-eager"],
     "int4": ["--quantization", "int4", "--enforce-eager"],
     "fp8": ["--quantization", "fp8", "--enforce-eager"],
+    "w8a8": ["--quantization", "w8a8", "--enforce-eager"],
     "kv_fp8": ["--kv-cache-dtype", "fp8", "--calculate-kv-scales", "--enforce-eager", *KV_SPACE],
     "kv_auto": ["--enforce-eager", *KV_SPACE],
 }
@@ -61,7 +62,7 @@ def test_a_chat_without_max_tokens_stops_by_itself_with_the_right_answer(
     assert text == choice.message.content
 
 
-@pytest.mark.parametrize("method", ["gguf", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("method", ["gguf", "int8", "int4", "fp8", "w8a8"])
 def test_the_start_up_log_names_the_quantization(servers: dict[str, ServerProcess], method: str) -> None:
     assert re.search(rf"quantized \d+ linear layers to {method}: [\d.]+ MiB", servers[method].log())
 

@@ -255,6 +255,62 @@ class QuantLinear(nn.Module):
         )
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x -> int8 codes (as float64) and per-row scales: amax / 127, rounded to nearest even."""
+    rows = x.float().reshape(-1, x.shape[-1])
+    amax = rows.abs().amax(dim=1, keepdim=True)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(rows * (1.0 / scales)).clamp(-127, 127).double(), scales
+
+
+class W8A8Linear(nn.Module):
+    """int8 weights (one scale per output channel) times activations quantized to int8 per row at
+    each call, summed in int32 (``cpu_linear_w8a8.h``): AMX-INT8 or AVX-512 VNNI. Without the
+    kernel, the same arithmetic in float64 (exact for these sums)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, use_kernel: bool) -> None:
+        super().__init__()
+        assert weight.kind == KIND_INT8 and weight.group == weight.shape[1], "w8a8: per-channel int8"
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("bias", bias, persistent=False)
+        self.use_kernel = use_kernel and self.in_features % 64 == 0 and w8a8_kernel_supported()
+        self.weight_bytes = weight.nbytes()
+        n, k = weight.shape
+        panels = -(-n // GROUP_COLS)
+        codes = torch.zeros(panels * GROUP_COLS, k, dtype=torch.int8)
+        codes[:n] = weight.codes
+        scales = torch.zeros(panels * GROUP_COLS)
+        scales[:n] = weight.scales[:, 0]
+        if self.use_kernel:  # [panel][k / 4][block][column][k % 4]
+            quads = codes.view(panels, 4, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous().view(-1)
+            self.register_buffer("codes", quads, persistent=False)
+            self.register_buffer("col_sums", codes.sum(dim=1, dtype=torch.int32), persistent=False)
+        else:
+            self.register_buffer("codes", codes[:n], persistent=False)
+        self.register_buffer("w_scales", scales, persistent=False)
+
+    def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        if self.use_kernel:
+            return torch.ops.axon_cpu.w8a8_linear(
+                x, self.codes, self.w_scales, self.col_sums, self.out_features, self.bias, float_out
+            )
+        xq, x_scales = quantize_activations(x)
+        acc = (xq @ self.codes.double().T).float()
+        y = acc * (x_scales * self.w_scales[: self.out_features])
+        if self.bias is not None:
+            y = y + self.bias.float()
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if float_out else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8, bias={self.bias is not None}"
+
+
+def w8a8_kernel_supported() -> bool:
+    ops = torch.ops.axon_cpu
+    return hasattr(ops, "w8a8_linear_supported") and bool(ops.w8a8_linear_supported())
+
+
 def quantize_linears(
     model: nn.Module,
     method: str,
@@ -290,8 +346,11 @@ def quantize_linears(
                     f"{full_name}: quantized weight {weight.shape} for a {tuple(child.weight.shape)} layer"
                 )
         else:
-            weight = quantize_weight(child.weight.detach(), method, group_size)
+            weight = quantize_weight(
+                child.weight.detach(), "int8" if method == "w8a8" else method, group_size
+            )
         bias = child.bias.detach() if child.bias is not None else None
-        setattr(parent, name, QuantLinear(weight, bias, use_kernel))
+        layer_class = W8A8Linear if method == "w8a8" else QuantLinear
+        setattr(parent, name, layer_class(weight, bias, use_kernel))
         count += 1
     return count

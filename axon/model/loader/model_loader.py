@@ -11,7 +11,7 @@ from torch import nn
 from axon.config import ModelConfig
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.linear import MergedLinear, pack_linears
-from axon.model.layers.quant import QuantizedWeight, QuantLinear, concat_rows, quantize_linears
+from axon.model.layers.quant import QuantizedWeight, QuantLinear, W8A8Linear, concat_rows, quantize_linears
 from axon.model.loader.gguf_loader import quantized_linear_weights
 from axon.model.loader.safetensors_loader import iterate_safetensors
 from axon.model.registry import resolve_model_class
@@ -78,7 +78,7 @@ def _quantize(model: nn.Module, model_config: ModelConfig, use_kernel: bool) -> 
             assert model_config.gguf_file is not None, "resolve_config() checks that gguf has a GGUF file"
             given = _gguf_module_weights(model, quantized_linear_weights(model_config.gguf_file))
         count = quantize_linears(model, method, model_config.quantization_group_size, use_kernel, given)
-        total = sum(m.weight_bytes for m in model.modules() if isinstance(m, QuantLinear))
+        total = sum(m.weight_bytes for m in model.modules() if isinstance(m, (QuantLinear, W8A8Linear)))
         logger.info("quantized %d linear layers to %s: %.1f MiB of weights", count, method, total / 2**20)
 
 
