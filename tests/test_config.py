@@ -68,7 +68,7 @@ def test_every_option_has_one_owner_and_a_flag() -> None:
         ({"load_format": "pickle"}, "load_format"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
         ({"speculative_config": "{not json"}, "speculative_config"),
-        ({"quantization": "nonsense"}, "quantization must be one of int8, int4, fp8, gguf .* got 'nonsense'"),
+        ({"quantization": "nonsense"}, "quantization must be one of int8, int4, fp8, w8a8, gguf .* got 'nonsense'"),
         ({"quantization": "int4", "quantization_group_size": 24}, "quantization_group_size .* got 24"),
         ({"quantization": "fp8", "quantization_group_size": 32}, "quantization_group_size applies only"),
         (
