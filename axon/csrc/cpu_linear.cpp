@@ -99,6 +99,20 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 
 #if defined(__AVX512BF16__)
 
+// acc[m][b] += rows m < MB of x (ldx apart) at inputs 2 k2, 2 k2 + 1 times one step of a panel.
+template <int MB>
+inline void step_rows(const uint16_t* x, int64_t ldx, const uint16_t* step, int64_t k2,
+                      __m512 (&acc)[kRowsPerPass][4]) {
+  __m512bh w[4];
+  for (int b = 0; b < 4; ++b) w[b] = (__m512bh)_mm512_loadu_si512(step + 32 * b);
+  for (int m = 0; m < MB; ++m) {
+    int32_t pair;
+    std::memcpy(&pair, x + m * ldx + 2 * k2, sizeof(pair));
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+    for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], a, w[b]);
+  }
+}
+
 // Rows m0 .. m0 + MB - 1 times one panel: acc[m][b] = 16 columns of block b. ``next`` is the
 // thread's next panel (or nullptr): pass ``pass`` of the ``passes`` row passes over this panel
 // fetches its share of it into L2, spread over the pass, so memory streams the next panel while
@@ -119,14 +133,7 @@ inline void panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, in
       const char* p = reinterpret_cast<const char*>(next + (first + k2 / passes) * kStepElems);
       for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
     }
-    __m512bh w[4];
-    for (int b = 0; b < 4; ++b) w[b] = (__m512bh)_mm512_loadu_si512(step + 32 * b);
-    for (int m = 0; m < MB; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * ldx + 2 * k2, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], a, w[b]);
-    }
+    step_rows<MB>(x, ldx, step, k2, acc);
   }
 }
 

@@ -190,21 +190,11 @@ inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* pan
     for (int b = 0; b < 4; ++b) total[m][b] = _mm512_setzero_ps();
   }
   for (int64_t kg = 0; kg < KG; ++kg) {
-    __m512 acc[MB][4];
+    __m512 acc[kRowsPerPass][4];
     for (int m = 0; m < MB; ++m) {
       for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
     }
-    for (int64_t k2 = kg * steps; k2 < (kg + 1) * steps; ++k2) {
-      const uint16_t* step = panel + k2 * kStepElems;
-      __m512bh w[4];
-      for (int b = 0; b < 4; ++b) w[b] = (__m512bh)_mm512_loadu_si512(step + 32 * b);
-      for (int m = 0; m < MB; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, x + m * ldx + 2 * k2, sizeof(pair));
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-        for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], a, w[b]);
-      }
-    }
+    for (int64_t k2 = kg * steps; k2 < (kg + 1) * steps; ++k2) step_rows<MB>(x, ldx, panel + k2 * kStepElems, k2, acc);
     const GroupTables t = load_group<kind>(q, g, kg);
     for (int m = 0; m < MB; ++m) {
       const float xs = t.has_min ? xsum[m * KG + kg] : 0.0f;
@@ -271,6 +261,16 @@ void configure_quant_tiles(int64_t inputs, int64_t rows) {
   load_tile_config(cfg);
 }
 
+// Tiles 0-3 (one per 16-column block of a panel; float32 or int32 sums) into c, 64 values a row.
+inline void store_block_tiles(void* c) {
+  char* p = static_cast<char*>(c);
+  constexpr int64_t row_bytes = kGroupCols * 4;
+  _tile_stored(0, p, row_bytes);
+  _tile_stored(1, p + 64, row_bytes);
+  _tile_stored(2, p + 128, row_bytes);
+  _tile_stored(3, p + 192, row_bytes);
+}
+
 // 16 rows (``rows`` of them real) times panel g on tiles, group by group, into total (16 x 64
 // float32). ``panel``: the panel decoded whole (a prefill's row blocks share it); nullptr: each
 // product's codes are decoded just before it into ``slice`` (a decode step's one row block: the
@@ -302,10 +302,7 @@ void quant_block_tiles(const uint16_t* x, int64_t ldx, int64_t rows, const uint1
       _tile_loadd(6, step + 96, kStepBytes);
       _tile_dpbf16ps(3, 4, 6);
     }
-    _tile_stored(0, c, kGroupCols * 4);
-    _tile_stored(1, c + 16, kGroupCols * 4);
-    _tile_stored(2, c + 32, kGroupCols * 4);
-    _tile_stored(3, c + 48, kGroupCols * 4);
+    store_block_tiles(c);
     const GroupTables tables = load_group<kind>(q, g, kg);
     for (int64_t r = 0; r < rows; ++r) {
       const float xs = tables.has_min ? xsum[r * KG + kg] : 0.0f;

@@ -155,10 +155,7 @@ void run_w8a8_amx(const int8_t* xq, const float* x_scales, int64_t M, int64_t K,
           _tile_loadd(6, step + 192, kQuadStepBytes);
           _tile_dpbssd(3, 4, 6);
         }
-        _tile_stored(0, c, kGroupCols * 4);
-        _tile_stored(1, c + 16, kGroupCols * 4);
-        _tile_stored(2, c + 32, kGroupCols * 4);
-        _tile_stored(3, c + 48, kGroupCols * 4);
+        store_block_tiles(c);
         for (int64_t r = 0; r < rows; ++r) {
           store_scaled(c + r * kGroupCols, cols, x_scales[m0 + r], w_scales + g * kGroupCols,
                        bias != nullptr ? bias + g * kGroupCols : nullptr, y + (m0 + r) * N + g * kGroupCols);

@@ -85,6 +85,21 @@ class ServerProcess:
         self._log.close()
 
 
+def serve_usage_error(*flags: str) -> str:
+    """``axon serve`` with bad ``flags``: it must stop at start-up with exit code 2 and a usage
+    error, no traceback; returns its stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "axon.entrypoints.cli", "serve", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     proc = ServerProcess().wait_ready()
