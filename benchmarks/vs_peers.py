@@ -115,7 +115,7 @@ class OpenvinoEngine:
     batch workloads (a scheduler like axon's and vLLM's), ``LLMPipeline`` for one request alone
     (the API OpenVINO offers for a single stream)."""
 
-    def __init__(self, folder: str, dtype: str, max_num_seqs: int | None, kind: str) -> None:
+    def __init__(self, folder: str, dtype: str, max_num_seqs: int | None, kind: str, weights: str = "auto") -> None:
         import openvino as ov
         import openvino_genai as ov_genai
 
@@ -124,7 +124,10 @@ class OpenvinoEngine:
         precision = OPENVINO_PRECISIONS[dtype]
         # The fp16 IR asks for an f16 KV cache (its rt_info), and the CPU plugin computes in bf16
         # only where it finds AVX-512 BF16: ask for --dtype in both, as the other engines run.
-        props = {"INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision}
+        # The int8 export keeps its own KV precision (u8) and activation quantization.
+        props = {"INFERENCE_PRECISION_HINT": precision}
+        if weights != "int8":
+            props["KV_CACHE_PRECISION"] = precision
         scheduler = ov_genai.SchedulerConfig()
         scheduler.enable_prefix_caching = False  # the timed runs repeat the warm-up's prompts
         if max_num_seqs is not None:
@@ -162,7 +165,7 @@ def make_engine(spec: dict[str, Any]) -> Any:
     if spec["engine"] == "vllm":
         return VllmEngine(*args)
     if spec["engine"] == "openvino":
-        return OpenvinoEngine(*args[:3], spec["kind"])
+        return OpenvinoEngine(*args[:3], spec["kind"], spec.get("openvino_weights", "auto"))
     # Imported here: vLLM's and OpenVINO's Pythons run this file too, and have no axon.
     from benchmarks.offline_throughput import AxonEngine, TransformersEngine
 
@@ -247,6 +250,7 @@ def make_spec(w: Workload, engine: str, args: argparse.Namespace) -> dict[str, A
         "max_num_seqs": None if w.kind == "startup" else w.num_prompts,
         "runs": args.runs,
         "axon_args": args.axon_args,
+        "openvino_weights": getattr(args, "openvino_weights", "auto"),
     }
 
 
@@ -258,6 +262,8 @@ def openvino_ir(model: str, hf_folder: str, args: argparse.Namespace) -> str:
         if not os.access(tool, os.X_OK):
             raise RuntimeError(f"--openvino-python: {tool!r} is not an executable; {OPENVINO_VENV_HELP}")
     weight_format = "fp32" if OPENVINO_PRECISIONS.get(args.dtype) == "f32" else "fp16"
+    if args.openvino_weights == "int8":
+        weight_format = "int8"
     folder = os.path.join(bench_cache_root(), "openvino", f"{model}-{weight_format}")
     if os.path.isfile(os.path.join(folder, "openvino_model.xml")):
         return folder
@@ -506,6 +512,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--openvino-python",
         default="/tmp/ov-venv/bin/python",
         help="Python of a venv with openvino-genai and optimum-intel[openvino] (benchmarks/README.md)",
+    )
+    p.add_argument(
+        "--openvino-weights",
+        default="auto",
+        choices=["auto", "int8"],
+        help="auto: an fp16 (fp32 for --dtype float32) export run at --dtype, KV cache included; int8: "
+        "optimum's int8 export with its own defaults (a u8 KV cache, activations in groups of 32)",
     )
     for flag in ("--num-prompts", "--input-len", "--output-len"):
         p.add_argument(
