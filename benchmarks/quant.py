@@ -2,10 +2,12 @@
 
     python -m benchmarks.quant                       # every config, median of 3
     python -m benchmarks.quant --configs bf16,gguf,llamacpp-q4_1 --runs 1
+    python -m benchmarks.quant --gguf /models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --configs bf16,gguf,llamacpp-q4_1 --output-len 64   # another file (Q4_K/Q6_K here)
 
-Workload (d) of vs_peers: one prompt of 128 fixed token ids -> 256 new tokens, greedy, EOS
-ignored. TTFT is a separate 1-token run of the same prompt; TPOT = (time for 256 tokens - TTFT)
-/ 255. Each config runs in its own subprocess (load, one warm-up, ``--runs`` timed runs, median).
+Workload (d) of vs_peers: one prompt of 128 fixed token ids -> 256 new tokens (``--output-len``),
+greedy, EOS ignored. TTFT is a separate 1-token run of the same prompt; TPOT = (time for all
+tokens - TTFT) / (tokens - 1). Each config runs in its own subprocess (load, one warm-up, ``--runs`` timed runs, median).
 
 Configs: axon ``bf16`` (the GGUF dequantized to bf16, axon's default), ``gguf`` (the same file
 kept quantized), ``int8``, ``int4``, ``fp8`` (computed at load from the bf16 weights),
@@ -36,7 +38,7 @@ from benchmarks.common import bench_cache_root, markdown_table, random_prompts, 
 
 THIS_FILE = os.path.abspath(__file__)
 REPO_ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
-INPUT_LEN, OUTPUT_LEN, VOCAB = 128, 256, 49152
+INPUT_LEN, OUTPUT_LEN, VOCAB = 128, 256, 49152  # SmolLM2's vocabulary (a larger one reads the same ids)
 AXON_CONFIGS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "gguf": {"quantization": "gguf"},
@@ -140,14 +142,15 @@ def worker_main(spec_path: str) -> None:
         engine: Any = LlamaCppEngine(files[kind])
     else:
         engine = AxonEngine(AXON_CONFIGS[name], files)
-    length = engine.generate(prompt, OUTPUT_LEN)  # warm-up
+    output_len = spec["output_len"]
+    length = engine.generate(prompt, output_len)  # warm-up
     engine.generate(prompt, 1)
     if hasattr(engine, "settle"):
         engine.settle()
     ttft, total = [], []
     for _ in range(spec["runs"]):
         ttft.append(time_call(lambda: engine.generate(prompt, 1)))
-        total.append(time_call(lambda: engine.generate(prompt, OUTPUT_LEN)))
+        total.append(time_call(lambda: engine.generate(prompt, output_len)))
     with open(spec["out"], "w") as f:
         json.dump({"ttft_s": ttft, "total_s": total, "length": length}, f)
 
@@ -160,17 +163,26 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--llamacpp-python", default="/tmp/llama-venv/bin/python")
     parser.add_argument("--log-dir", default="/tmp/axon-bench-quant")
+    parser.add_argument(
+        "--gguf",
+        default=None,
+        metavar="FILE",
+        help="another GGUF file in place of the bundled Q4_1 one (the configs that read the Q8_0 file are skipped)",
+    )
+    parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     args = parser.parse_args()
     os.makedirs(args.log_dir, exist_ok=True)
-    source = bundled_gguf()
+    source = args.gguf or bundled_gguf()
     files = {"q4_1": source, "q8_0": gguf_file("q8_0", source)}
     names = args.configs.split(",")
+    if args.gguf:
+        names = [n for n in names if "q8_0" not in n]
     # llama.cpp first where the Q8_0 file is missing: it makes the file axon's gguf-q8_0 reads.
     names = [n for n in names if n in LLAMACPP_CONFIGS] + [n for n in names if n not in LLAMACPP_CONFIGS]
     rows = []
     for name in names:
         python = args.llamacpp_python if name in LLAMACPP_CONFIGS else sys.executable
-        spec = {"config": name, "files": files, "runs": args.runs}
+        spec = {"config": name, "files": files, "runs": args.runs, "output_len": args.output_len}
         start = time.perf_counter()
         out = run_json_worker([python, THIS_FILE, "--worker"], spec, os.path.join(args.log_dir, name),
                               dict(os.environ), REPO_ROOT, 1800)  # fmt: skip
@@ -179,13 +191,16 @@ def main() -> None:
             rows.append([name, "error", "", ""])
             continue
         ttft = statistics.median(out["ttft_s"])
-        tpot = (statistics.median(out["total_s"]) - ttft) / (OUTPUT_LEN - 1)
+        tpot = (statistics.median(out["total_s"]) - ttft) / (args.output_len - 1)
         print(f"{name}: TPOT {1000 * tpot:.2f} ms, TTFT {1000 * ttft:.1f} ms ({time.perf_counter() - start:.0f} s)",
               flush=True)  # fmt: skip
         rows.append([name, f"{1000 * tpot:.2f}", f"{1000 * ttft:.1f}", str(out["length"])])
     from benchmarks.common import cpu_summary
 
-    print(f"\n{cpu_summary()}; one request, {INPUT_LEN} -> {OUTPUT_LEN} tokens, median of {args.runs}\n")
+    model = os.path.basename(source)
+    print(
+        f"\n{cpu_summary()}; {model}, one request, {INPUT_LEN} -> {args.output_len} tokens, median of {args.runs}\n"
+    )
     print(markdown_table(["config", "TPOT ms", "TTFT ms", "tokens"], rows))
 
 
