@@ -7,15 +7,18 @@
     int4   weight-only, 4-bit codes 0..15 with a scale and a minimum per group of inputs
            (default 128; Q4_1's form), computed at load (W4A16)
     fp8    FP8 E4M3 codes, one scale per output channel (amax / 448), computed at load
+    w8a8   int8 weights per output channel, and each call's activations quantized to int8 per
+           row (token): int32 sums on AMX-INT8 or AVX-512 VNNI (``W8A8Linear``)
     gguf   a GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), re-laid out without
            rounding: the codes, scales and minimums are the file's (``gguf_blocks.py``)
 
-Every form is ``w[n][k] = code * scale + min`` with one scale (and min) per output ``n`` and
-``group`` consecutive inputs: a ``QuantizedWeight``. On CPUs with AVX-512 BF16 the layer runs
-``torch.ops.axon_cpu.quant_linear`` (``axon/csrc/cpu_linear.cpp``), which streams the codes and
-dequantizes each panel to bf16 next to the tiles: the result is a bf16 matmul with the
-dequantized weight, in the bf16 kernel's one summation order (the same answer whatever the batch).
-Elsewhere (CUDA, other CPUs) the layer dequantizes its weight on each call and runs ``F.linear``.
+Every weight-only form is ``w[n][k] = code * scale + min`` with one scale (and min) per output
+``n`` and ``group`` consecutive inputs: a ``QuantizedWeight``. On CPUs with AVX-512 BF16 and VBMI
+the layer runs ``torch.ops.axon_cpu.quant_linear`` (``axon/csrc/cpu_linear_quant.h``): it streams
+the codes, turns each slice into exact bf16 numbers next to the tiles, sums each group's products
+in float32 and adds that sum times the group's scale (plus the min times the group's input sum),
+in one order whatever the batch. Elsewhere (CUDA, other CPUs, float32 models) the layer
+dequantizes its weight on each call and runs ``F.linear``.
 """
 
 from __future__ import annotations
