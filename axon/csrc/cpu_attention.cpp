@@ -48,7 +48,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <limits>
 
 #include "cpu_vec.h"

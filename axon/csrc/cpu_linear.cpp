@@ -53,6 +53,8 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace axon_cpu {
 namespace {
 

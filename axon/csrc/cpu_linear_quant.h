@@ -139,8 +139,7 @@ void group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t group, float* o
       for (int64_t kg = 0; kg < KG; ++kg) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t k = kg * group; k < (kg + 1) * group; k += 16) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k));
-          acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+          acc = _mm512_add_ps(acc, load16(reinterpret_cast<const c10::BFloat16*>(x + m * K + k)));
         }
         out[m * KG + kg] = _mm512_reduce_add_ps(acc);
       }
@@ -181,7 +180,7 @@ inline __m512 add_group(__m512 total, __m512 partial, const GroupTables& t, int 
   return total;
 }
 
-// Rows m0 .. m0 + MB - 1 times one decoded panel on vdpbf16ps, group by group, into acc.
+// Rows m0 .. m0 + MB - 1 times one decoded panel on vdpbf16ps, group by group, into total.
 template <int64_t kind, int MB>
 inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, const QuantWeight& q,
                              int64_t g, const float* xsum, __m512 (&total)[kRowsPerPass][4]) {
@@ -203,11 +202,11 @@ inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* pan
   }
 }
 
-// Panel g, decoded whole into ``panel``, streaming the thread's next panel (before ``end``) into L2.
+// The codes of the thread's next panel after g (its panels end before ``end``), to stream into
+// L2 while panel g is decoded; nullptr after its last.
 template <int64_t kind>
-inline void decode_thread_panel(const QuantWeight& q, int64_t g, int64_t end, uint16_t* panel) {
-  const uint8_t* next = g + 1 < end ? q.codes + (g + 1) * q.K2 * kCodeStepBytes<kind> : nullptr;
-  decode_steps<kind>(q, g, 0, q.K2, next, panel);
+inline const uint8_t* next_panel_codes(const QuantWeight& q, int64_t g, int64_t end) {
+  return g + 1 < end ? q.codes + (g + 1) * q.K2 * kCodeStepBytes<kind> : nullptr;
 }
 
 template <int64_t kind, typename out_t>
@@ -220,7 +219,7 @@ void run_quant_linear(const uint16_t* x, int64_t M, int64_t K, const QuantWeight
     __m512 total[kRowsPerPass][4];
     for (int64_t chunk = 0; chunk < M; chunk += kRowChunk)
     for (int64_t g = begin; g < end; ++g) {
-      decode_thread_panel<kind>(q, g, end, panel.data());
+      decode_steps<kind>(q, g, 0, q.K2, next_panel_codes<kind>(q, g, end), panel.data());
       const int64_t chunk_end = std::min(M, chunk + kRowChunk);
       for (int64_t m0 = chunk; m0 < chunk_end; m0 += kRowsPerPass) {
         const uint16_t* xm = x + m0 * K;
@@ -330,8 +329,8 @@ void run_quant_linear_amx(const uint16_t* x, int64_t M, int64_t K, const QuantWe
     alignas(64) float total[kTileRows * kGroupCols];
     for (int64_t chunk = 0; chunk < M; chunk += kRowChunk)
     for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* next = g + 1 < end ? q.codes + (g + 1) * q.K2 * kCodeStepBytes<kind> : nullptr;
-      if (whole_panels) decode_thread_panel<kind>(q, g, end, panel.data());
+      const uint8_t* next = next_panel_codes<kind>(q, g, end);
+      if (whole_panels) decode_steps<kind>(q, g, 0, q.K2, next, panel.data());
       const int64_t chunk_end = std::min(M, chunk + kRowChunk);
       for (int64_t m0 = chunk; m0 < chunk_end; m0 += kTileRows) {
         const int64_t rows = std::min(kTileRows, M - m0);

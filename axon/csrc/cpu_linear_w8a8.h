@@ -28,25 +28,20 @@ bool w8a8_linear_supported() {
 
 constexpr int64_t kQuadStepBytes = 4 * kGroupCols;  // one quad of inputs for the panel's 64 columns
 
-inline __m512 bf16x16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // Rows of x [M, K] bf16 -> int8 [M, K] and a scale per row.
 void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* xq, float* scales) {
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const uint16_t* row = x + m * K;
+      const c10::BFloat16* row = reinterpret_cast<const c10::BFloat16*>(x + m * K);
       __m512 amax = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16(row + k)));
+      for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row + k)));
       const float peak = _mm512_reduce_max_ps(amax);
       // True divisions (-ffast-math would turn peak / 127 into peak * (1 / 127), another
       // number): the scale quant.py's quantize_activations computes.
       const float scale = peak > 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(peak), _mm_set_ss(127.0f))) : 1.0f;
       const __m512 inv = _mm512_set1_ps(_mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_set_ss(scale))));
       for (int64_t k = 0; k < K; k += 16) {
-        const __m512 v = _mm512_mul_ps(bf16x16(row + k), inv);
+        const __m512 v = _mm512_mul_ps(load16(row + k), inv);
         const __m512i q = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(127)),
                                            _mm512_set1_epi32(-127));  // nearest even
         _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + k), _mm512_cvtepi32_epi8(q));

@@ -39,8 +39,8 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     # No model with runner="pooling": the bundled embedding model, not the generative one.
     default_embedding = m.model is None and m.runner == "pooling"
     model = default_embedding_model_path() if default_embedding else m.model
-    model_path = _resolve_model_path(model, m.load_format, cache_root)
     gguf_file = _gguf_file(model, m.load_format)
+    model_path = _resolve_model_path(model, gguf_file, cache_root)
     hf = load_hf_config(model_path)
     _check_quantization(m.quantization, gguf_file, hf, model_path)
     # An unsupported architecture fails here, early.
@@ -114,7 +114,9 @@ def _resolve_speculative(config: AxonConfig, runner: str, hf: dict[str, Any], ca
         raise ValueError("speculative_config applies only to generative models (runner='generate')")
     if spec.method == "draft_model":
         assert spec.model is not None
-        spec = replace(spec, model=_resolve_model_path(spec.model, "auto", cache_root))
+        spec = replace(
+            spec, model=_resolve_model_path(spec.model, _gguf_file(spec.model, "auto"), cache_root)
+        )
         check_draft_model(spec, hf)
     elif spec.method == "eagle3":
         from axon.spec_decode.eagle3 import check_eagle3_config
@@ -163,12 +165,13 @@ def _check_quantization(
         raise ValueError(
             f"{model_path} is a checkpoint quantized as {fmt!r} (its config.json's quantization_config), "
             "which axon does not read; give an unquantized checkpoint (bfloat16/float16/float32) and "
-            "--quantization int8|int4|fp8, or a GGUF file"
+            "--quantization int8|int4|fp8|w8a8, or a GGUF file"
         )
 
 
-def _resolve_model_path(model: str | None, load_format: str, cache_root: str) -> str:
-    gguf_file = _gguf_file(model, load_format)
+def _resolve_model_path(model: str | None, gguf_file: str | None, cache_root: str) -> str:
+    """The HF folder to load: ``model``'s, or the one ``gguf_file`` (``_gguf_file(model, ...)``)
+    converts into."""
     if gguf_file is not None:
         return gguf_to_hf_folder(gguf_file, cache_root)
     path = os.path.expanduser(model if model is not None else default_model_path())
