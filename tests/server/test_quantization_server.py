@@ -91,3 +91,26 @@ def test_a_bad_value_stops_start_up_naming_it(flags: list[str], name: str) -> No
     stderr = serve_usage_error(*flags)
     errors = [line for line in stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith(f"axon serve: error: {name} "), stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["gguf", "w8a8", "kv_fp8"])
+def test_the_same_request_gives_the_same_tokens_alone_batched_and_again(
+    servers: dict[str, ServerProcess], name: str
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = servers[name].client()
+    model = client.models.list().data[0].id
+    others = ["Name three colors.", "Count from one to ten.", "What is 2 + 2?"]
+
+    def ask(question: str) -> str:
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=40
+        )
+        return reply.choices[0].message.content
+
+    alone = ask(QUESTION)
+    with ThreadPoolExecutor(4) as pool:
+        batched, *_ = pool.map(ask, [QUESTION, *others])
+    assert batched == alone
+    assert ask(QUESTION) == alone
