@@ -107,20 +107,23 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    """1 only, for now."""
+    """Ranks each layer is split across (axon/distributed/): one worker process per rank."""
     pipeline_parallel_size: int = 1
-    """1 only, for now."""
+    """1 only (vLLM's neuron plugin has no pipeline parallelism either)."""
     data_parallel_size: int = 1
-    """1 only, for now."""
+    """Engine cores behind one API server, each with its own tensor-parallel group; requests go
+    to the least loaded."""
+    data_parallel_rank: int = 0
+    """This engine core's index among data_parallel_size (set per core by the front end)."""
     enable_expert_parallel: bool = False
     """Expert parallelism for MoE models: not implemented yet (an error if set)."""
     distributed_executor_backend: str | None = None
-    """How the workers run (axon/executor/abstract.py): uni (one worker in this process); mp and
-    ray are not implemented yet. None: uni."""
+    """How the workers run (axon/executor/abstract.py): uni (one worker in the engine-core
+    process), mp (one process per rank on this host), ray (one Ray actor per rank). None: uni
+    for tensor_parallel_size 1, else mp."""
 
 
-EXECUTOR_BACKENDS = ("uni",)  # see axon/executor/abstract.py
-PLANNED_EXECUTOR_BACKENDS = ("mp", "ray")  # vLLM's names, for the parallelism issue
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # see axon/executor/abstract.py
 BUCKET_COMPILE_POLICIES = ("on_demand", "warmup")  # see axon/worker/compiler.py
 LINEAR_BACKENDS = ("auto", "cpu_bf16", "onednn", "torch")  # see axon/model/layers/linear.py
 QUANTIZATION_METHODS = ("int8", "int4", "fp8", "w8a8", "gguf")  # see axon/model/layers/quant.py
@@ -385,15 +388,28 @@ def validate_config(config: AxonConfig) -> None:
         "must be at least 1",
     )
     need(s.scheduling_policy == "fcfs", "scheduling_policy", s.scheduling_policy, "supports only 'fcfs'")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        need(getattr(p, name) == 1, name, getattr(p, name), "must be 1 (parallelism is not built yet)")
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        value = getattr(p, name)
+        need(isinstance(value, int) and value >= 1, name, value, "must be an integer of at least 1")
+    need(p.pipeline_parallel_size == 1, "pipeline_parallel_size", p.pipeline_parallel_size, "must be 1")
+    need(
+        0 <= p.data_parallel_rank < p.data_parallel_size,
+        "data_parallel_rank",
+        p.data_parallel_rank,
+        f"must be in 0..{p.data_parallel_size - 1} (data_parallel_size {p.data_parallel_size})",
+    )
     backend = p.distributed_executor_backend
     need(
         backend is None or backend in EXECUTOR_BACKENDS,
         "distributed_executor_backend",
         backend,
-        f"{'is not implemented yet' if backend in PLANNED_EXECUTOR_BACKENDS else 'is unknown'}; "
-        f"supported: {', '.join(EXECUTOR_BACKENDS)}",
+        f"is unknown; supported: {', '.join(EXECUTOR_BACKENDS)}",
+    )
+    need(
+        not (backend == "uni" and p.tensor_parallel_size > 1),
+        "distributed_executor_backend",
+        backend,
+        f"runs one worker; tensor_parallel_size {p.tensor_parallel_size} needs 'mp' or 'ray'",
     )
     need(
         config.device_config.device in ("auto", "cpu", "cuda"),

@@ -4,6 +4,10 @@
 physical core this process may run on, hyperthread siblings left out), ``nobind``, or a CPU list
 such as ``0-3,8``. The threads are pinned by ``torch.ops.axon_cpu.bind_threads`` (needs axon's
 kernels; without them nothing is pinned and a warning says so).
+
+Several ranks on one host (tensor or data parallelism) each take their own CPUs: a list of
+groups separated by ``|`` (``0-3|4-7``, vLLM's syntax) gives rank i the i-th group, and ``auto``
+or ``all`` split the CPUs into equal consecutive shares, one per rank.
 """
 
 from __future__ import annotations
@@ -53,25 +57,49 @@ def _physical_cores(allowed: list[int]) -> list[int]:
     return cores
 
 
-def thread_cpus(bind: str | None, num_threads: int | None) -> list[int] | None:
-    """The CPUs to pin the intra-op threads to, one each; None: leave them to the OS."""
+def thread_cpus(
+    bind: str | None, num_threads: int | None, rank: int = 0, world: int = 1
+) -> list[int] | None:
+    """The CPUs to pin rank ``rank`` of ``world`` ranks on this host to, one thread each; None:
+    leave them to the OS."""
     bind = bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto"
     if bind == "nobind":
         return None
     allowed = sorted(os.sched_getaffinity(0))
     if bind in ("auto", "all"):
         cores = _physical_cores(allowed) if bind == "auto" else allowed
+        if world > 1:
+            share = len(cores) // world
+            if share == 0:
+                raise ValueError(
+                    f"{world} ranks need at least one CPU each; this process may use {len(cores)} "
+                    f"({'physical cores' if bind == 'auto' else 'CPUs'}): lower the parallel sizes "
+                    "or set omp_threads_bind to groups such as 0|1"
+                )
+            cores = cores[rank * share : (rank + 1) * share]
+            allowed = cores
         if num_threads is None:
             return cores
         if num_threads > len(allowed):
             raise ValueError(
-                f"num_threads={num_threads} is more than the {len(allowed)} CPUs this process may use"
+                f"num_threads={num_threads} is more than the {len(allowed)} CPUs this rank may use"
             )
         return (cores + [c for c in allowed if c not in cores])[:num_threads]
-    cpus = parse_cpu_list(bind)
+    groups = bind.split("|")
+    if len(groups) != world and not (len(groups) == 1 and world == 1):
+        raise ValueError(
+            f"omp_threads_bind {bind!r} has {len(groups)} CPU groups for {world} ranks on this host "
+            "(one group per rank, separated by |, e.g. 0-3|4-7)"
+        )
+    cpus = parse_cpu_list(groups[rank])
     outside = [c for c in cpus if c not in allowed]
     if outside:
         raise ValueError(f"omp_threads_bind: CPU {outside[0]} is not one this process may use ({allowed})")
+    if world > 1:
+        taken = [c for i, group in enumerate(groups) if i != rank for c in parse_cpu_list(group)]
+        shared = sorted(set(taken) & set(cpus))
+        if shared:
+            raise ValueError(f"omp_threads_bind {bind!r}: CPU {shared[0]} is in two ranks' groups")
     if num_threads is not None and num_threads != len(cpus):
         raise ValueError(
             f"num_threads={num_threads} does not match the {len(cpus)} CPUs of omp_threads_bind={bind!r}"
@@ -94,15 +122,21 @@ def configure_cpu_threads(cpus: list[int] | None, num_threads: int | None, kerne
 
 
 def init_cpu_process(
-    device: torch.device, cache_root: str, num_threads: int | None, bind: str | None
+    device: torch.device,
+    cache_root: str,
+    num_threads: int | None,
+    bind: str | None,
+    rank: int = 0,
+    world: int = 1,
 ) -> tuple[bool, list[int] | None]:
-    """For a worker on ``device``: load axon's CPU kernels and set up the calling thread's
-    intra-op threads. Returns (kernels loaded, the CPUs the threads are pinned to)."""
+    """For a worker on ``device`` (rank ``rank`` of ``world`` on this host): load axon's CPU
+    kernels and set up the calling thread's intra-op threads. Returns (kernels loaded, the CPUs
+    the threads are pinned to)."""
     if device.type != "cpu":
         return False, None
     from axon.platforms.cpu_kernels import load_cpu_kernels
 
-    cpus = thread_cpus(bind, num_threads)
+    cpus = thread_cpus(bind, num_threads, rank, world)
     kernels = load_cpu_kernels(cache_root)
     configure_cpu_threads(cpus, num_threads, kernels)
     if cpus is not None:

@@ -94,8 +94,12 @@ def decide_num_blocks(
 
 
 class Worker:
-    def __init__(self, config: AxonConfig) -> None:
+    """``rank``: this worker's tensor-parallel rank (the process group is set up before, by the
+    executor: axon/distributed/)."""
+
+    def __init__(self, config: AxonConfig, rank: int = 0) -> None:
         self.config = config
+        self.rank = rank
         self.device = resolve_device(config.device_config.device)
         self.dtype = resolve_dtype(config.model_config.dtype, self.device)
         t0 = time.perf_counter()
@@ -105,8 +109,14 @@ class Worker:
         # same engine seed and the same traffic give the same samples.
         torch.manual_seed(config.model_config.seed)
         d = config.device_config
+        p = config.parallel_config
         cpu_kernels, self.thread_cpus = init_cpu_process(
-            self.device, cache_root, d.num_threads, d.omp_threads_bind
+            self.device,
+            cache_root,
+            d.num_threads,
+            d.omp_threads_bind,
+            rank=p.data_parallel_rank * p.tensor_parallel_size + rank,
+            world=p.data_parallel_size * p.tensor_parallel_size,
         )
         self.attention_backend = _attention_backend_name(
             config.compilation_config.attention_backend, self.device, cpu_kernels
