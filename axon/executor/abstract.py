@@ -24,7 +24,11 @@ from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutp
 
 # distributed_executor_backend -> the executor class, imported only when chosen (a Ray executor
 # must not import ray for everyone). Keys: config.EXECUTOR_BACKENDS, which validate_config checks.
-_REGISTRY = {"uni": "axon.executor.uniproc:UniProcExecutor"}
+_REGISTRY = {
+    "uni": "axon.executor.uniproc:UniProcExecutor",
+    "mp": "axon.executor.multiproc:MultiprocExecutor",
+    "ray": "axon.executor.ray_executor:RayExecutor",
+}
 assert set(_REGISTRY) == set(EXECUTOR_BACKENDS), "config.EXECUTOR_BACKENDS names the registered executors"
 
 
@@ -35,7 +39,8 @@ class Executor(ABC):
 
     @staticmethod
     def get_class(config: AxonConfig) -> type[Executor]:
-        name = config.parallel_config.distributed_executor_backend or "uni"
+        p = config.parallel_config
+        name = p.distributed_executor_backend or ("uni" if p.tensor_parallel_size == 1 else "mp")
         if name not in _REGISTRY:
             raise ValueError(
                 f"distributed_executor_backend {name!r} is not implemented; supported: {', '.join(_REGISTRY)}"
