@@ -33,6 +33,8 @@ LAYERS: tuple[str, ...] = (
     "kv_transfer",
     "metrics",
     "debug",
+    # Process groups and collectives: read by model layers (sharding), worker and executor.
+    "distributed",
     "platforms",
     # DESIGN's top-level modules, in its order: the shared records every layer may build. The
     # step records are among them: DESIGN drew scheduler_output.py inside core/, yet executor,

@@ -152,6 +152,10 @@ class EngineCore:
         self._unreported_compiles += compiles
         return bool(compiles)
 
+    def check_health(self) -> None:
+        """Raise the executor's error if a worker has died (the loop calls it while idle)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self.executor.shutdown()
 

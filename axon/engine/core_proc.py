@@ -147,6 +147,7 @@ def _loop(core: Any, inp: zmq.Socket, out: zmq.Socket, step: Callable[[], Engine
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     while True:
+        core.check_health()  # a worker process that died while the engine was idle
         # Idle: compile the buckets traffic reached, then wait for work. Busy: only drain
         # what has already arrived.
         idle = not core.has_unfinished_requests()

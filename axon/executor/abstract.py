@@ -85,6 +85,10 @@ class Executor(ABC):
         """Idle, nothing in flight: compile the buckets traffic reached; the compile events
         (empty: nothing was pending)."""
 
+    def check_health(self) -> None:
+        """Raise if a worker has failed (called by the idle engine loop; a step's future raises
+        on its own)."""
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release the workers; steps still in flight are abandoned."""

@@ -206,6 +206,14 @@ def _register_fakes() -> None:
     def _(q, k, v, query_start_loc, scale):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("axon_cpu::shm_all_reduce")
+    def _(x, handle):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @torch.library.register_fake("axon_cpu::shm_all_gather")
+    def _(x, handle, world):
+        return x.new_empty(world, *x.shape)
+
     @torch.library.register_fake("axon_cpu::rms_norm")
     def _(x, weight, eps):
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -57,9 +57,7 @@ def _physical_cores(allowed: list[int]) -> list[int]:
     return cores
 
 
-def thread_cpus(
-    bind: str | None, num_threads: int | None, rank: int = 0, world: int = 1
-) -> list[int] | None:
+def thread_cpus(bind: str | None, num_threads: int | None, rank: int = 0, world: int = 1) -> list[int] | None:
     """The CPUs to pin rank ``rank`` of ``world`` ranks on this host to, one thread each; None:
     leave them to the OS."""
     bind = bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto"
@@ -137,6 +135,10 @@ def init_cpu_process(
     from axon.platforms.cpu_kernels import load_cpu_kernels
 
     cpus = thread_cpus(bind, num_threads, rank, world)
+    if cpus is not None and world > 1:
+        # One of several ranks on this host: the calling thread too stays on the rank's CPUs
+        # (configure_cpu_threads leaves it where it is), or it would run on another rank's.
+        os.sched_setaffinity(0, cpus)
     kernels = load_cpu_kernels(cache_root)
     configure_cpu_threads(cpus, num_threads, kernels)
     if cpus is not None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from axon.config import AxonConfig
+from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
@@ -94,11 +95,12 @@ def decide_num_blocks(
 
 
 class Worker:
-    """``rank``: this worker's tensor-parallel rank (the process group is set up before, by the
-    executor: axon/distributed/)."""
+    """``dist_init``: how this worker joins its tensor-parallel group (from the executor; None:
+    the one rank of a ``uni`` executor)."""
 
-    def __init__(self, config: AxonConfig, rank: int = 0) -> None:
+    def __init__(self, config: AxonConfig, dist_init: DistributedInit | None = None) -> None:
         self.config = config
+        rank = dist_init.rank if dist_init is not None else 0
         self.rank = rank
         self.device = resolve_device(config.device_config.device)
         self.dtype = resolve_dtype(config.model_config.dtype, self.device)
@@ -118,6 +120,8 @@ class Worker:
             rank=p.data_parallel_rank * p.tensor_parallel_size + rank,
             world=p.data_parallel_size * p.tensor_parallel_size,
         )
+        if dist_init is not None:
+            init_tensor_parallel(dist_init, self.device, cpu_kernels)
         self.attention_backend = _attention_backend_name(
             config.compilation_config.attention_backend, self.device, cpu_kernels
         )
@@ -166,8 +170,12 @@ class Worker:
 
     def _make_compiler(self) -> BucketCompiler:
         m, c = self.config.model_config, self.config.cache_config
+        tp = self.config.parallel_config.tensor_parallel_size
         key = compile_cache_key(
             {
+                # A rank's graphs: its shapes and its collectives (absent with one rank, so
+                # caches from before tensor parallelism stay valid).
+                **({"tensor_parallel": (self.rank, tp)} if tp > 1 else {}),
                 "model": m.model_path,
                 "hf_config": m.hf_config,
                 "dtype": str(self.dtype),

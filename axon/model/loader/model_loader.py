@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from axon.config import ModelConfig
+from axon.distributed.parallel_state import get_tp_group
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.linear import MergedLinear, pack_linears
 from axon.model.layers.quant import QuantizedWeight, QuantLinear, W8A8Linear, concat_rows, quantize_linears
@@ -48,6 +49,17 @@ def load_model(
     assert hf is not None and model_config.model_path is not None, "resolve_config() comes first"
     with startup_phase(f"loading the weights of {model_config.model_path} ({dtype})"):
         cls = resolve_model_class(hf.get("architectures"), model_config.runner)
+        tp = get_tp_group().size
+        if tp > 1 and not getattr(cls, "supports_tensor_parallel", False):
+            raise ValueError(
+                f"{cls.__name__} cannot be split across ranks yet: tensor_parallel_size must be 1 for it, got {tp}"
+            )
+        if tp > 1 and model_config.quantization == "gguf":
+            raise ValueError(
+                f"quantization 'gguf' keeps the file's blocks whole and cannot split them across {tp} ranks; "
+                "leave quantization unset (the GGUF weights load dequantized, each rank its slice) or use "
+                "tensor_parallel_size 1"
+            )
         # Parameters are built without initialisation (meta), then materialised in place; buffers
         # (rotary tables) are computed for real, in float32.
         model = build_empty(lambda: cls(hf, backend), dtype, device)
@@ -59,7 +71,8 @@ def load_model(
         if model_config.load_format == "dummy":
             _init_dummy_weights(model, model_config.seed)
         else:
-            model.load_weights(iterate_safetensors(model_config.model_path))
+            # Under tensor parallelism each rank reads only its slice of each tensor.
+            model.load_weights(iterate_safetensors(model_config.model_path, lazy=tp > 1))
         if model_config.quantization is not None:
             _quantize(model, model_config, use_kernel=linear_backend == "cpu_bf16")
         if linear_backend != "torch":

@@ -28,8 +28,27 @@ def load_hf_config(folder: str) -> dict[str, Any]:
     return config
 
 
-def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder's weights once, as `(name, tensor)`, read through mmap.
+class LazyTensor:
+    """A checkpoint tensor not read yet: its ``shape``, and ``read`` for all of it or a slice
+    (a tensor-parallel rank reads only its own slice of each weight). Valid until the iterator
+    that gave it moves on."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._handle, self.name = handle, name
+        self.shape = torch.Size(handle.get_slice(name).get_shape())
+
+    def read(self, dim: int | None = None, start: int = 0, count: int = 0) -> torch.Tensor:
+        """The whole tensor, or ``count`` entries from ``start`` along ``dim`` (0 or 1)."""
+        if dim is None:
+            return self._handle.get_tensor(self.name)
+        part = self._handle.get_slice(self.name)
+        assert dim in (0, 1), dim
+        return part[start : start + count] if dim == 0 else part[:, start : start + count]
+
+
+def iterate_safetensors(folder: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Every tensor of the folder's weights once, as `(name, tensor)`, read through mmap
+    (``lazy``: as a ``LazyTensor``, read when and as far as the consumer asks).
 
     The files are, in order of preference: the shards named by `model.safetensors.index.json`,
     `model.safetensors`, or every `*.safetensors` in the folder.
@@ -46,7 +65,7 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 if name in seen:
                     raise ValueError(f"tensor {name!r} appears in more than one file of {folder}")
                 seen.add(name)
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f, name) if lazy else f.get_tensor(name)
     missing = index_names - seen
     if missing:
         raise ValueError(

@@ -15,11 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axon.distributed.parallel_state import tp_all_reduce
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.attention.layer import Attention
 from axon.model.layers.linear import MergedLinear
 from axon.model.layers.norm import RMSNorm
 from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
+from axon.model.layers.tensor_parallel import (
+    VocabParallelEmbedding,
+    gather_logits,
+    kv_heads,
+    padded_vocab_share,
+    set_shard,
+    split,
+)
 from axon.model.models.weights import load_by_name
 from axon.platforms.cpu_kernels import use_cpu_kernels
 
@@ -67,19 +76,28 @@ class DecoderArch:
 
 
 class LlamaAttention(nn.Module):
+    """Under tensor parallelism: this rank's query and KV heads (axon/model/layers/tensor_parallel.py),
+    o_proj's matching input columns, and one all-reduce of its output."""
+
     def __init__(self, arch: DecoderArch, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
-        self.qkv_sizes = (arch.num_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d)
+        first_q, self.num_heads = split(arch.num_heads, "number of attention heads")
+        first_kv, self.num_kv_heads = kv_heads(arch.num_kv_heads, arch.num_heads)
+        self.head_dim = d
+        self.qkv_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=False)
+        starts = (first_q * d, first_kv * d, first_kv * d)
+        set_shard(self.qkv_proj, "weight", 0, starts)
+        set_shard(self.qkv_proj, "bias", 0, starts)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        set_shard(self.o_proj, "weight", 1, (first_q * d,))
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
         self.qk_norm = arch.qk_norm
         self.rotary = rotary
-        self.attn = Attention(arch.num_heads, arch.num_kv_heads, d, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x [T, hidden] -> [T, hidden]
@@ -92,22 +110,27 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(t, -1))
+        return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 
 
 class LlamaMLP(nn.Module):
+    """Under tensor parallelism: this rank's columns of gate/up, down_proj's matching rows, and
+    one all-reduce of its output."""
+
     def __init__(self, arch: DecoderArch) -> None:
         super().__init__()
-        sizes = (arch.intermediate_size, arch.intermediate_size)
-        self.gate_up_proj = MergedLinear(arch.hidden_size, sizes, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        first, width = split(arch.intermediate_size, "intermediate_size")
+        self.gate_up_proj = MergedLinear(arch.hidden_size, (width, width), bias=False)
+        set_shard(self.gate_up_proj, "weight", 0, (first, first))
+        self.down_proj = nn.Linear(width, arch.hidden_size, bias=False)
+        set_shard(self.down_proj, "weight", 1, (first,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if use_cpu_kernels(gate_up):
-            return self.down_proj(torch.ops.axon_cpu.silu_and_mul(gate_up))
+            return tp_all_reduce(self.down_proj(torch.ops.axon_cpu.silu_and_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return tp_all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 # Checkpoint layers that load into a merged one: name -> (merged layer, shard).
@@ -149,7 +172,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 class LlamaModel(nn.Module):
     def __init__(self, arch: DecoderArch, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_theta, arch.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary, backend) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -183,12 +206,16 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: read attention_bias from the config
     qk_norm = False
     stacked_params = STACKED_PARAMS  # checkpoint layer -> (merged layer, shard)
+    supports_tensor_parallel = True
 
     def __init__(self, hf_config: dict[str, Any], backend: AttentionBackend) -> None:
         super().__init__()
         self.arch = DecoderArch.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
         self.model = LlamaModel(self.arch, backend)
-        self.lm_head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        # This rank's rows of the vocabulary (all of it with one rank), as the embedding's.
+        first_row, rows = padded_vocab_share(self.arch.vocab_size)
+        self.lm_head = nn.Linear(self.arch.hidden_size, rows, bias=False)
+        set_shard(self.lm_head, "weight", 0, (first_row,))
         # Layers whose input stream forward also returns (EAGLE3); a plain tuple, so a compiled
         # graph specializes on it and the default () traces exactly the plain model.
         self.aux_layer_ids: tuple[int, ...] = ()
@@ -222,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden, torch.cat(aux, dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return gather_logits(self.lm_head(hidden), self.arch.vocab_size)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

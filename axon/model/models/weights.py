@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from axon.model.layers.linear import MergedLinear
+from axon.model.layers.tensor_parallel import ShardSlice
+from axon.model.loader.safetensors_loader import LazyTensor
 
 
 def load_by_name(
@@ -22,6 +24,10 @@ def load_by_name(
     ``stacked`` maps a checkpoint layer name to a ``MergedLinear`` and its shard: with
     ``{"q_proj": ("qkv_proj", 0), ...}``, ``layers.0.self_attn.q_proj.weight`` fills the first
     ``output_sizes[0]`` rows of ``layers.0.self_attn.qkv_proj.weight``.
+
+    A layer split across tensor-parallel ranks (``shard_slices``, see
+    axon/model/layers/tensor_parallel.py) takes only its rank's slice of each tensor; a
+    ``LazyTensor`` is read no further than that slice.
 
     Every parameter (every shard of a merged one) but ``optional`` ones must be covered exactly
     once; an unknown name, a shape mismatch or a repeat is an error that names the tensor.
@@ -41,6 +47,12 @@ def load_by_name(
             sizes = _output_sizes(modules, name)
             assert sizes is not None, f"{name} is not a merged layer's parameter"
             target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+        module, _, leaf = name.rpartition(".")
+        slice_ = getattr(modules[module], "shard_slices", {}).get(leaf)
+        if slice_ is not None:
+            target, tensor = _rank_slice(target, tensor, slice_, shard or 0, ckpt_name)
+        elif isinstance(tensor, LazyTensor):
+            tensor = tensor.read()
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
@@ -57,6 +69,31 @@ def load_by_name(
     missing = sorted(f"{n}" if s is None else f"{n} (shard {s})" for n, s in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _rank_slice(
+    target: torch.Tensor, tensor: torch.Tensor | LazyTensor, slice_: ShardSlice, part: int, ckpt_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target, tensor) narrowed to this rank's slice. A padded share (the vocabulary's last
+    rows) takes what the checkpoint has and zeroes the rest."""
+    dim, start = slice_.dim, slice_.starts[part]
+    if len(tensor.shape) != target.dim():
+        raise ValueError(
+            f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {target.dim()} dimensions"
+        )
+    count = min(target.shape[dim], tensor.shape[dim] - start)
+    if count <= 0:
+        raise ValueError(
+            f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, too small for this rank's "
+            f"slice from {start} along dimension {dim}"
+        )
+    if count < target.shape[dim]:
+        with torch.no_grad():
+            target.narrow(dim, count, target.shape[dim] - count).zero_()
+        target = target.narrow(dim, 0, count)
+    if isinstance(tensor, LazyTensor):
+        return target, tensor.read(dim, start, count)
+    return target, tensor.narrow(dim, start, count)
 
 
 def _unstack(name: str, stacked: Mapping[str, tuple[str, int]]) -> tuple[str, int | None]:

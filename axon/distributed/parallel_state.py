@@ -1,0 +1,134 @@
+"""This process's tensor-parallel group, and the collectives the sharded layers call.
+
+A worker joins its group (``init_tensor_parallel``) before it builds the model: the layers read
+``get_tp_group()`` while they are built, to take their share of heads, of the MLP's width and
+of the vocabulary (axon/model/layers/tensor_parallel.py). With one rank (every ``uni``
+executor) the group is the default one, rank 0 of 1, and the collectives return their input.
+
+On the CPU the collectives go through a shared-memory segment (``axon/csrc/cpu_comm.cpp``):
+every rank of a group runs on this host, and gloo's all-reduce over loopback TCP cost 1.4 ms
+per call there. torch.distributed (gloo on the CPU, NCCL on CUDA) carries the rest: the
+collectives on CUDA, and on the CPU where axon's kernels could not be built.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# A rank waits this long for the others in a torch.distributed collective before it fails (the
+# executor notices a dead rank within a second and ends the engine long before).
+_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int = 0
+    size: int = 1
+    shm_handle: int | None = None  # the shared-memory communicator of axon's CPU kernels
+
+
+@dataclass(frozen=True)
+class DistributedInit:
+    """How a worker joins its group: what the executor hands each rank."""
+
+    rank: int
+    size: int
+    init_method: str  # torch.distributed's rendezvous, e.g. tcp://127.0.0.1:PORT
+    shm_path: str | None = None  # the CPU communicator's segment, created by the executor
+    shm_slot_bytes: int = 0
+
+
+_group = TensorParallelGroup()
+
+
+def get_tp_group() -> TensorParallelGroup:
+    return _group
+
+
+def init_tensor_parallel(
+    init: DistributedInit, device: torch.device, cpu_kernels: bool
+) -> TensorParallelGroup:
+    """Join the group described by ``init``; on the CPU with axon's kernels, map the shared
+    segment too."""
+    global _group
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if init.size > 1:
+        dist.init_process_group(
+            backend,
+            init_method=init.init_method,
+            rank=init.rank,
+            world_size=init.size,
+            timeout=_COLLECTIVE_TIMEOUT,
+        )
+    handle = None
+    if init.size > 1 and device.type == "cpu" and cpu_kernels and init.shm_path is not None:
+        handle = torch.ops.axon_cpu.shm_comm_open(init.shm_path, init.rank, init.size, init.shm_slot_bytes)
+    _group = TensorParallelGroup(init.rank, init.size, handle)
+    how = "shared memory" if handle is not None else backend
+    logger.info("tensor-parallel rank %d of %d (collectives: %s)", init.rank, init.size, how)
+    return _group
+
+
+def destroy_tensor_parallel() -> None:
+    global _group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _group = TensorParallelGroup()
+
+
+def shm_segment_bytes(world: int, slot_bytes: int) -> int:
+    """The size of the CPU communicator's segment (flags and two buffers of one slot per rank)."""
+    flags = world * 64
+    return flags + 2 * world * slot_bytes
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the group's ranks (``x`` itself with one rank)."""
+    group = _group
+    if group.size == 1:
+        return x
+    if group.shm_handle is not None and x.device.type == "cpu":
+        return torch.ops.axon_cpu.shm_all_reduce(x, group.shm_handle)
+    return torch.ops.axon.tp_all_reduce(x)
+
+
+def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` stacked: [size, *x.shape]."""
+    group = _group
+    if group.size == 1:
+        return x.unsqueeze(0)
+    if group.shm_handle is not None and x.device.type == "cpu":
+        return torch.ops.axon_cpu.shm_all_gather(x, group.shm_handle, group.size)
+    return torch.ops.axon.tp_all_gather(x, group.size)
+
+
+# torch.distributed's collectives as ops a compiled graph calls as one opaque node.
+@torch.library.custom_op("axon::tp_all_reduce", mutates_args=())
+def _dist_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    dist.all_reduce(out)
+    return out
+
+
+@_dist_all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("axon::tp_all_gather", mutates_args=())
+def _dist_all_gather(x: torch.Tensor, world: int) -> torch.Tensor:
+    out = x.new_empty(world, *x.shape)
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
+
+
+@_dist_all_gather.register_fake
+def _(x: torch.Tensor, world: int) -> torch.Tensor:
+    return x.new_empty(world, *x.shape)

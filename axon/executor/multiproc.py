@@ -1,0 +1,322 @@
+"""The multiprocess executor (``mp``): one worker process per tensor-parallel rank on this host.
+
+    engine-core process                          worker process, rank r (of tensor_parallel_size)
+    MultiprocExecutor --PUSH (one per rank)-->   PULL  loop: call Worker.<method>(*args)
+                      <--PULL (shared)--------   PUSH  replies: rank 0's step output; every
+                                                        rank's start-up and compile results;
+                                                        any rank's error
+
+A call is pickled once and the same bytes go to every rank. Steps are not waited for: only rank
+0 replies to ``execute_model`` (every rank computes the same logits and samples the same
+tokens), and its output is read when the engine asks for the step's result, so the engine can
+queue step N+1 behind step N (async scheduling). The ranks join a torch.distributed group
+(gloo, or NCCL on CUDA) and, on the CPU, map a shared-memory segment for their all-reduces
+(axon/distributed/parallel_state.py).
+
+Failure is never a hang: a rank that raises sends its traceback and exits; a rank that dies is
+seen within ``_POLL_S`` by whoever is waiting for a reply, and by a watcher thread while the
+engine is idle (``check_health``). The engine then fails with the rank's error, and shutdown
+kills the ranks still stuck in a collective. A rank dies with the engine-core process
+(PR_SET_PDEATHSIG), so a killed engine leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import traceback
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from axon.config import AxonConfig
+from axon.distributed.parallel_state import DistributedInit, shm_segment_bytes
+from axon.executor.abstract import Executor, resolve_async_scheduling
+from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
+from axon.startup import configure_logging
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.2  # how often a caller waiting for a reply checks that every rank is alive
+_STARTUP_TIMEOUT_S = 1800.0  # loading and compiling a large model on a busy host
+_SHUTDOWN_JOIN_S = 5.0
+# A slot of the CPU all-reduce's shared segment: a bigger tensor goes through in chunks.
+SHM_SLOT_BYTES = 4 << 20
+_STEP = "execute_model"
+
+
+class WorkerError(RuntimeError):
+    """A rank raised or died; the message names it and carries its traceback or exit code."""
+
+
+class _StepFuture(Future):
+    """A step's output, read from rank 0's replies when the engine asks for it."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        self._executor._wait_for(self)
+        return super().result(timeout)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: AxonConfig) -> None:
+        p = config.parallel_config
+        self.world = p.tensor_parallel_size
+        self._async_scheduling = resolve_async_scheduling(config)
+        self._shutting_down = False
+        self._failure: str | None = None
+        self._pending: deque[_StepFuture] = deque()
+        self._ipc_dir = tempfile.mkdtemp(prefix="axon-workers-")
+        self._shm_path: str | None = None
+        if self.world > 1:
+            self._shm_path = f"/dev/shm/axon-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            with open(self._shm_path, "wb") as f:
+                f.truncate(shm_segment_bytes(self.world, SHM_SLOT_BYTES))
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._ctx = zmq.Context()
+        self._replies = self._ctx.socket(zmq.PULL)
+        reply_addr = f"ipc://{os.path.join(self._ipc_dir, 'replies')}"
+        self._replies.bind(reply_addr)
+        self._commands: list[zmq.Socket] = []
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        spawn = multiprocessing.get_context("spawn")
+        for rank in range(self.world):
+            sock = self._ctx.socket(zmq.PUSH)
+            command_addr = f"ipc://{os.path.join(self._ipc_dir, f'commands-{rank}')}"
+            sock.bind(command_addr)
+            self._commands.append(sock)
+            dist_init = DistributedInit(rank, self.world, init_method, self._shm_path, SHM_SLOT_BYTES)
+            proc = spawn.Process(
+                target=_worker_main,
+                args=(config, dist_init, command_addr, reply_addr, os.getpid()),
+                name=f"axon-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            self._procs.append(proc)
+        try:
+            ready = self._gather(timeout_s=_STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._load_time_s = max(r["model_load_time_s"] for r in ready)
+        if self._shm_path is not None:  # every rank has it mapped: the name is no longer needed
+            os.remove(self._shm_path)
+            self._shm_path = None
+        logger.info("%d worker processes ready (pids %s)", self.world, [p.pid for p in self._procs])
+        self._watcher = threading.Thread(target=self._watch, name="axon-worker-watch", daemon=True)
+        self._watcher.start()
+        # Before multiprocessing's own exit handler terminates the daemon ranks (an engine the
+        # program never shut down): a clean stop, not a death the watcher would report.
+        atexit.register(self.shutdown)
+
+    # ---- the Executor interface ------------------------------------------------------------
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 2 if self._async_scheduling else 1
+
+    @property
+    def model_load_time_s(self) -> float:
+        return self._load_time_s
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call_all("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def compile_or_warm_up_model(self) -> list[CompileEvent]:
+        return self._call_all("compile_or_warm_up_model")[0]
+
+    def compile_pending(self) -> list[CompileEvent]:
+        return self._call_all("compile_pending")[0]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        future = _StepFuture(self)
+        self._pending.append(future)
+        try:
+            self._send(_STEP, scheduler_output)
+        except WorkerError as e:
+            self._fail_pending(e)
+        return future
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise WorkerError(self._failure)
+
+    def shutdown(self) -> None:
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        for sock in self._commands:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(pickle.dumps(("shutdown", ())), flags=zmq.NOBLOCK)
+        for proc in self._procs:
+            proc.join(_SHUTDOWN_JOIN_S / max(len(self._procs), 1))
+            if proc.is_alive():  # stuck in a collective with a dead peer
+                proc.kill()
+                proc.join(_SHUTDOWN_JOIN_S)
+        for sock in [*self._commands, self._replies]:
+            sock.close(linger=0)
+        self._ctx.term()
+        if self._shm_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._shm_path)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # ---- talking to the ranks --------------------------------------------------------------
+    def _send(self, method: str, *args: Any) -> None:
+        self.check_health()
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for sock in self._commands:
+            sock.send(message, copy=False)
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every rank (no step in flight); the results in rank order."""
+        assert not self._pending, f"{method} called with a step in flight"
+        self._send(method, *args)
+        return self._gather(timeout_s=None)
+
+    def _gather(self, timeout_s: float | None) -> list[Any]:
+        """One "ok" reply from every rank, in rank order."""
+        results: dict[int, Any] = {}
+        waited = 0.0
+        while len(results) < self.world:
+            reply = self._recv()
+            if reply is None:
+                waited += _POLL_S
+                if timeout_s is not None and waited > timeout_s:
+                    raise WorkerError(
+                        f"ranks {sorted(set(range(self.world)) - set(results))} did not reply in {timeout_s:.0f} s"
+                    )
+                continue
+            rank, result = reply
+            results[rank] = result
+        return [results[r] for r in range(self.world)]
+
+    def _wait_for(self, future: _StepFuture) -> None:
+        """Read rank 0's step replies, in order, until ``future`` has its output."""
+        while not future.done():
+            try:
+                reply = self._recv()
+            except WorkerError as e:
+                self._fail_pending(e)
+                return
+            if reply is not None:
+                rank, output = reply
+                assert rank == 0, f"rank {rank} replied to a step"
+                self._pending.popleft().set_result(output)
+
+    def _recv(self) -> tuple[int, Any] | None:
+        """The next "ok" reply as (rank, result), or None after ``_POLL_S`` of silence; raises
+        WorkerError when a rank raised or died."""
+        if self._replies.poll(int(_POLL_S * 1000)):
+            status, rank, payload = pickle.loads(self._replies.recv())
+            if status == "error":
+                self._failure = f"worker rank {rank} failed:\n{payload}"
+                raise WorkerError(self._failure)
+            return rank, payload
+        self._check_alive()
+        return None
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is not None and not self._shutting_down:
+                self._failure = self._failure or (
+                    f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                )
+        self.check_health()
+
+    def _fail_pending(self, error: Exception) -> None:
+        while self._pending:
+            self._pending.popleft().set_exception(error)
+
+    def _watch(self) -> None:
+        """Between steps nobody waits on the ranks: notice a death here (check_health reports it)."""
+        multiprocessing.connection.wait([p.sentinel for p in self._procs])
+        if self._shutting_down:
+            return
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is not None:
+                self._failure = (
+                    self._failure or f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                )
+                logger.error("%s; the engine stops", self._failure)
+                return
+
+
+def _free_port() -> int:
+    """A TCP port free on this host now, for torch.distributed's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: this process gets SIGKILL when the engine-core process dies, however it dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # it died before the line above ran
+        os._exit(1)
+
+
+def _worker_main(
+    config: AxonConfig, dist_init: DistributedInit, command_addr: str, reply_addr: str, parent_pid: int
+) -> None:
+    """A rank's process: build the Worker, then run the calls the executor sends, in order."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when the ranks stop
+    configure_logging(f"worker-{dist_init.rank}")
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(command_addr)
+    replies = ctx.socket(zmq.PUSH)
+    replies.connect(reply_addr)
+    rank, code = dist_init.rank, 0
+
+    def reply(status: str, payload: Any) -> None:
+        replies.send(pickle.dumps((status, rank, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        from axon.worker.worker import Worker
+
+        worker = Worker(config, dist_init)
+        gc.collect()
+        gc.freeze()  # as the engine core does: collections walk only what steps allocate
+        reply("ok", {"model_load_time_s": worker.model_load_time_s})
+        while True:
+            method, args = pickle.loads(commands.recv())
+            if method == "shutdown":
+                break
+            result = getattr(worker, method)(*args)
+            if method != _STEP or rank == 0:
+                reply("ok", result)
+    except Exception:  # noqa: BLE001 (every failure must reach the executor)
+        error = traceback.format_exc()
+        logger.error("worker rank %d failed:\n%s", rank, error)
+        with contextlib.suppress(zmq.ZMQError):
+            reply("error", error)
+        code = 1
+    commands.close(linger=0)
+    replies.close(linger=2000)
+    ctx.term()
+    logging.shutdown()
+    os._exit(code)  # a rank's threads (torch's, gloo's) must not keep it alive
