@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from axon.config import AxonConfig, StructuredOutputsConfig, build_config, default_cache_root, replace
+from axon.model.layers.tensor_parallel import check_split
 from axon.model.loader import default_model_path, gguf_to_hf_folder, load_hf_config
 from axon.model.loader.default_model import (
     DEFAULT_EMBEDDING_MODEL_NAME,
@@ -46,6 +47,7 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     # An unsupported architecture fails here, early.
     model_class = resolve_model_class(hf.get("architectures"))
     runner = _resolve_runner(m.runner, model_class, hf)
+    _check_tensor_parallel(config, model_class, hf)
     model_max = int(hf.get("max_position_embeddings") or 2048)
     default_len = model_max
     if runner == "pooling":
@@ -103,6 +105,32 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     )
     # Bucket lists are resolved and checked here, once, before a model loads; the worker reads them.
     return replace(resolved, compilation_config=resolve_bucket_lists(resolved))
+
+
+def _check_tensor_parallel(config: AxonConfig, model_class: type, hf: dict[str, Any]) -> None:
+    """Before any rank loads: the model splits across tensor_parallel_size ranks, and what runs
+    beside it can be split too."""
+    tp = config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return
+    if not getattr(model_class, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"{model_class.__name__} cannot be split across ranks yet: tensor_parallel_size must be 1"
+        )
+    arch = model_class.arch_from_hf(hf)
+    check_split(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, tp)
+    spec = parse_spec_decode_config(config.speculative_config.speculative_config)
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(
+            f"speculative_config.method {spec.method!r} is not supported with tensor_parallel_size {tp} "
+            "yet (its draft runs unsharded); use 'ngram', or tensor_parallel_size 1"
+        )
+    if config.model_config.quantization == "gguf":
+        raise ValueError(
+            f"quantization 'gguf' keeps the file's blocks whole and cannot split them across {tp} ranks; "
+            "leave quantization unset (the GGUF weights load dequantized, each rank its slice) or use "
+            "tensor_parallel_size 1"
+        )
 
 
 def _resolve_speculative(config: AxonConfig, runner: str, hf: dict[str, Any], cache_root: str):

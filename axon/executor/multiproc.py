@@ -22,7 +22,6 @@ kills the ranks still stuck in a collective. A rank dies with the engine-core pr
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import gc
@@ -38,6 +37,7 @@ import tempfile
 import threading
 import traceback
 import uuid
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -76,34 +76,35 @@ class _StepFuture(Future):
         return super().result(timeout)
 
 
-class MultiprocExecutor(Executor):
-    def __init__(self, config: AxonConfig) -> None:
-        p = config.parallel_config
-        self.world = p.tensor_parallel_size
-        self._async_scheduling = resolve_async_scheduling(config)
-        self._shutting_down = False
-        self._failure: str | None = None
-        self._pending: deque[_StepFuture] = deque()
-        self._ipc_dir = tempfile.mkdtemp(prefix="axon-workers-")
-        self._shm_path: str | None = None
-        if self.world > 1:
-            self._shm_path = f"/dev/shm/axon-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            with open(self._shm_path, "wb") as f:
-                f.truncate(shm_segment_bytes(self.world, SHM_SLOT_BYTES))
+class _Ranks:
+    """The worker processes and the sockets to them. Apart from the executor, so that an engine
+    dropped without ``shutdown`` (an offline ``LLM`` deleted) stops its ranks when collected,
+    and the watcher thread keeps nothing alive."""
+
+    def __init__(self, config: AxonConfig, world: int) -> None:
+        self.world = world
+        self.stopping = False
+        self.failure: str | None = None
+        self.ipc_dir = tempfile.mkdtemp(prefix="axon-workers-")
+        self.shm_path: str | None = None
+        if world > 1:
+            self.shm_path = f"/dev/shm/axon-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            with open(self.shm_path, "wb") as f:
+                f.truncate(shm_segment_bytes(world, SHM_SLOT_BYTES))
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self._ctx = zmq.Context()
-        self._replies = self._ctx.socket(zmq.PULL)
-        reply_addr = f"ipc://{os.path.join(self._ipc_dir, 'replies')}"
-        self._replies.bind(reply_addr)
-        self._commands: list[zmq.Socket] = []
-        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self.ctx = zmq.Context()
+        self.replies = self.ctx.socket(zmq.PULL)
+        reply_addr = f"ipc://{os.path.join(self.ipc_dir, 'replies')}"
+        self.replies.bind(reply_addr)
+        self.commands: list[zmq.Socket] = []
+        self.procs: list[multiprocessing.process.BaseProcess] = []
         spawn = multiprocessing.get_context("spawn")
-        for rank in range(self.world):
-            sock = self._ctx.socket(zmq.PUSH)
-            command_addr = f"ipc://{os.path.join(self._ipc_dir, f'commands-{rank}')}"
+        for rank in range(world):
+            sock = self.ctx.socket(zmq.PUSH)
+            command_addr = f"ipc://{os.path.join(self.ipc_dir, f'commands-{rank}')}"
             sock.bind(command_addr)
-            self._commands.append(sock)
-            dist_init = DistributedInit(rank, self.world, init_method, self._shm_path, SHM_SLOT_BYTES)
+            self.commands.append(sock)
+            dist_init = DistributedInit(rank, world, init_method, self.shm_path, SHM_SLOT_BYTES)
             proc = spawn.Process(
                 target=_worker_main,
                 args=(config, dist_init, command_addr, reply_addr, os.getpid()),
@@ -111,22 +112,109 @@ class MultiprocExecutor(Executor):
                 daemon=True,
             )
             proc.start()
-            self._procs.append(proc)
+            self.procs.append(proc)
+
+    def started(self) -> None:
+        """Every rank has mapped the segment: its name is no longer needed. Watch the ranks."""
+        if self.shm_path is not None:
+            os.remove(self.shm_path)
+            self.shm_path = None
+        threading.Thread(target=self.watch, name="axon-worker-watch", daemon=True).start()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise WorkerError(self.failure)
+
+    def send(self, method: str, *args: Any) -> None:
+        self.check()
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for sock in self.commands:
+            sock.send(message, copy=False)
+
+    def recv(self) -> tuple[int, Any] | None:
+        """The next "ok" reply as (rank, result), or None after ``_POLL_S`` of silence; raises
+        WorkerError when a rank raised or died."""
+        if self.replies.poll(int(_POLL_S * 1000)):
+            status, rank, payload = pickle.loads(self.replies.recv())
+            if status == "error":
+                self.failure = self.failure or f"worker rank {rank} failed:\n{payload}"
+                raise WorkerError(self.failure)
+            return rank, payload
+        self.note_deaths()
+        self.check()
+        return None
+
+    def gather(self, timeout_s: float | None = None) -> list[Any]:
+        """One "ok" reply from every rank, in rank order."""
+        results: dict[int, Any] = {}
+        waited = 0.0
+        while len(results) < self.world:
+            reply = self.recv()
+            if reply is not None:
+                results[reply[0]] = reply[1]
+                continue
+            waited += _POLL_S
+            if timeout_s is not None and waited > timeout_s:
+                silent = sorted(set(range(self.world)) - set(results))
+                raise WorkerError(f"worker ranks {silent} did not reply within {timeout_s:.0f} s")
+        return [results[r] for r in range(self.world)]
+
+    def note_deaths(self) -> None:
+        if self.stopping:
+            return
+        for rank, proc in enumerate(self.procs):
+            if proc.exitcode is not None and self.failure is None:
+                self.failure = f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                logger.error("%s; the engine stops", self.failure)
+
+    def watch(self) -> None:
+        """Between steps nobody waits on the ranks: notice a death here (``check`` reports it)."""
+        multiprocessing.connection.wait([p.sentinel for p in self.procs])
+        self.note_deaths()
+
+    def stop(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        for sock in self.commands:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(pickle.dumps(("shutdown", ())), flags=zmq.NOBLOCK)
+        for proc in self.procs:
+            proc.join(_SHUTDOWN_JOIN_S / len(self.procs))
+            if proc.is_alive():  # stuck in a collective with a dead peer
+                proc.kill()
+                proc.join(_SHUTDOWN_JOIN_S)
+        for sock in [*self.commands, self.replies]:
+            sock.close(linger=0)
+        self.ctx.term()
+        if self.shm_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.shm_path)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: AxonConfig) -> None:
+        self.world = config.parallel_config.tensor_parallel_size
+        self._async_scheduling = resolve_async_scheduling(config)
+        self._pending: deque[_StepFuture] = deque()
+        self._ranks = _Ranks(config, self.world)
+        # Runs on shutdown(), when the executor is collected, or at exit (before
+        # multiprocessing's own handler terminates the daemon ranks, which the watcher would
+        # take for deaths).
+        self._stop = weakref.finalize(self, self._ranks.stop)
         try:
-            ready = self._gather(timeout_s=_STARTUP_TIMEOUT_S)
+            ready = self._ranks.gather(timeout_s=_STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
         self._load_time_s = max(r["model_load_time_s"] for r in ready)
-        if self._shm_path is not None:  # every rank has it mapped: the name is no longer needed
-            os.remove(self._shm_path)
-            self._shm_path = None
-        logger.info("%d worker processes ready (pids %s)", self.world, [p.pid for p in self._procs])
-        self._watcher = threading.Thread(target=self._watch, name="axon-worker-watch", daemon=True)
-        self._watcher.start()
-        # Before multiprocessing's own exit handler terminates the daemon ranks (an engine the
-        # program never shut down): a clean stop, not a death the watcher would report.
-        atexit.register(self.shutdown)
+        self._ranks.started()
+        logger.info("%d worker processes ready (pids %s)", self.world, self.worker_pids)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._ranks.procs]
 
     # ---- the Executor interface ------------------------------------------------------------
     @property
@@ -153,70 +241,29 @@ class MultiprocExecutor(Executor):
         future = _StepFuture(self)
         self._pending.append(future)
         try:
-            self._send(_STEP, scheduler_output)
+            self._ranks.send(_STEP, scheduler_output)
         except WorkerError as e:
             self._fail_pending(e)
         return future
 
     def check_health(self) -> None:
-        if self._failure is not None:
-            raise WorkerError(self._failure)
+        self._ranks.check()
 
     def shutdown(self) -> None:
-        if self._shutting_down:
-            return
-        self._shutting_down = True
-        for sock in self._commands:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send(pickle.dumps(("shutdown", ())), flags=zmq.NOBLOCK)
-        for proc in self._procs:
-            proc.join(_SHUTDOWN_JOIN_S / max(len(self._procs), 1))
-            if proc.is_alive():  # stuck in a collective with a dead peer
-                proc.kill()
-                proc.join(_SHUTDOWN_JOIN_S)
-        for sock in [*self._commands, self._replies]:
-            sock.close(linger=0)
-        self._ctx.term()
-        if self._shm_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self._shm_path)
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._stop()
 
-    # ---- talking to the ranks --------------------------------------------------------------
-    def _send(self, method: str, *args: Any) -> None:
-        self.check_health()
-        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        for sock in self._commands:
-            sock.send(message, copy=False)
-
+    # ---- replies ---------------------------------------------------------------------------
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank (no step in flight); the results in rank order."""
         assert not self._pending, f"{method} called with a step in flight"
-        self._send(method, *args)
-        return self._gather(timeout_s=None)
-
-    def _gather(self, timeout_s: float | None) -> list[Any]:
-        """One "ok" reply from every rank, in rank order."""
-        results: dict[int, Any] = {}
-        waited = 0.0
-        while len(results) < self.world:
-            reply = self._recv()
-            if reply is None:
-                waited += _POLL_S
-                if timeout_s is not None and waited > timeout_s:
-                    raise WorkerError(
-                        f"ranks {sorted(set(range(self.world)) - set(results))} did not reply in {timeout_s:.0f} s"
-                    )
-                continue
-            rank, result = reply
-            results[rank] = result
-        return [results[r] for r in range(self.world)]
+        self._ranks.send(method, *args)
+        return self._ranks.gather()
 
     def _wait_for(self, future: _StepFuture) -> None:
         """Read rank 0's step replies, in order, until ``future`` has its output."""
         while not future.done():
             try:
-                reply = self._recv()
+                reply = self._ranks.recv()
             except WorkerError as e:
                 self._fail_pending(e)
                 return
@@ -225,42 +272,9 @@ class MultiprocExecutor(Executor):
                 assert rank == 0, f"rank {rank} replied to a step"
                 self._pending.popleft().set_result(output)
 
-    def _recv(self) -> tuple[int, Any] | None:
-        """The next "ok" reply as (rank, result), or None after ``_POLL_S`` of silence; raises
-        WorkerError when a rank raised or died."""
-        if self._replies.poll(int(_POLL_S * 1000)):
-            status, rank, payload = pickle.loads(self._replies.recv())
-            if status == "error":
-                self._failure = f"worker rank {rank} failed:\n{payload}"
-                raise WorkerError(self._failure)
-            return rank, payload
-        self._check_alive()
-        return None
-
-    def _check_alive(self) -> None:
-        for rank, proc in enumerate(self._procs):
-            if proc.exitcode is not None and not self._shutting_down:
-                self._failure = self._failure or (
-                    f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                )
-        self.check_health()
-
     def _fail_pending(self, error: Exception) -> None:
         while self._pending:
             self._pending.popleft().set_exception(error)
-
-    def _watch(self) -> None:
-        """Between steps nobody waits on the ranks: notice a death here (check_health reports it)."""
-        multiprocessing.connection.wait([p.sentinel for p in self._procs])
-        if self._shutting_down:
-            return
-        for rank, proc in enumerate(self._procs):
-            if proc.exitcode is not None:
-                self._failure = (
-                    self._failure or f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                )
-                logger.error("%s; the engine stops", self._failure)
-                return
 
 
 def _free_port() -> int:

@@ -33,12 +33,6 @@ def make_proposer(
         return None
     if spec.method == "ngram":
         return NgramProposer(spec)
-    tp = config.parallel_config.tensor_parallel_size
-    if tp > 1:
-        raise ValueError(
-            f"speculative_config.method {spec.method!r} is not supported with tensor_parallel_size {tp} "
-            "yet (its draft runs unsharded); use 'ngram', or tensor_parallel_size 1"
-        )
     assert spec.model is not None, "parse_spec_decode_config requires a model for this method"
     if spec.method == "draft_model":
         draft_config = replace(

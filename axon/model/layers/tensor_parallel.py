@@ -45,25 +45,42 @@ def split(total: int, what: str) -> tuple[int, int]:
     """This rank's (start, count) of ``total`` items split evenly; an uneven split is an error
     that names ``what``."""
     group = get_tp_group()
-    if total % group.size:
-        raise ValueError(f"tensor_parallel_size {group.size} does not divide the model's {what} ({total})")
-    count = total // group.size
+    count = _share(total, group.size, what)
     return group.rank * count, count
+
+
+def _share(total: int, size: int, what: str) -> int:
+    if total % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {what} ({total})")
+    return total // size
 
 
 def kv_heads(num_kv_heads: int, num_heads: int) -> tuple[int, int]:
     """This rank's (first KV head, count): split like the query heads, or the one its query
     heads read when there are fewer KV heads than ranks."""
     group = get_tp_group()
+    _check_kv_heads(num_kv_heads, group.size)
     if num_kv_heads >= group.size:
         return split(num_kv_heads, "number of KV heads")
-    if group.size % num_kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size {group.size} is more than the model's {num_kv_heads} KV heads "
-            "and not a multiple of them"
-        )
     first_q, _ = split(num_heads, "number of attention heads")
     return first_q // (num_heads // num_kv_heads), 1
+
+
+def _check_kv_heads(num_kv_heads: int, size: int) -> None:
+    if num_kv_heads >= size:
+        _share(num_kv_heads, size, "number of KV heads")
+    elif size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {size} is more than the model's {num_kv_heads} KV heads and not a multiple of them"
+        )
+
+
+def check_split(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+    """Raise (naming the dimension) unless a decoder with these sizes splits across ``size``
+    ranks; what start-up checks before any rank loads."""
+    _share(num_heads, size, "number of attention heads")
+    _check_kv_heads(num_kv_heads, size)
+    _share(intermediate_size, size, "intermediate_size")
 
 
 def padded_vocab_share(vocab_size: int) -> tuple[int, int]:

@@ -54,12 +54,6 @@ def load_model(
             raise ValueError(
                 f"{cls.__name__} cannot be split across ranks yet: tensor_parallel_size must be 1 for it, got {tp}"
             )
-        if tp > 1 and model_config.quantization == "gguf":
-            raise ValueError(
-                f"quantization 'gguf' keeps the file's blocks whole and cannot split them across {tp} ranks; "
-                "leave quantization unset (the GGUF weights load dequantized, each rank its slice) or use "
-                "tensor_parallel_size 1"
-            )
         # Parameters are built without initialisation (meta), then materialised in place; buffers
         # (rotary tables) are computed for real, in float32.
         model = build_empty(lambda: cls(hf, backend), dtype, device)

@@ -208,9 +208,13 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = STACKED_PARAMS  # checkpoint layer -> (merged layer, shard)
     supports_tensor_parallel = True
 
+    @classmethod
+    def arch_from_hf(cls, hf_config: dict[str, Any]) -> DecoderArch:
+        return DecoderArch.from_hf(hf_config, qkv_bias=cls.qkv_bias, qk_norm=cls.qk_norm)
+
     def __init__(self, hf_config: dict[str, Any], backend: AttentionBackend) -> None:
         super().__init__()
-        self.arch = DecoderArch.from_hf(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        self.arch = self.arch_from_hf(hf_config)
         self.model = LlamaModel(self.arch, backend)
         # This rank's rows of the vocabulary (all of it with one rank), as the embedding's.
         first_row, rows = padded_vocab_share(self.arch.vocab_size)
