@@ -20,6 +20,9 @@ class LoggingStatLogger:
     over the logger's lifetime (hits / queried tokens), 0 until anything was queried.
     A line is skipped when no token was processed since the last one and nothing runs or waits.
     With speculation on, vLLM's "SpecDecoding metrics" line follows, over the same interval.
+
+    One logger per engine core, as in vLLM: it keeps the reports of engine ``engine_index``
+    (its lines read "Engine 001: ...") and leaves the other engines' to their own loggers.
     """
 
     def __init__(self, engine_index: int = 0) -> None:
@@ -35,7 +38,14 @@ class LoggingStatLogger:
         self.num_generation_tokens = 0
         self.last_log_time = now
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
+    ) -> None:
+        if engine_idx != self.engine_index:
+            return
         if scheduler_stats is not None:
             self.last_scheduler_stats = scheduler_stats
             self.prefix_cache_queries += scheduler_stats.prefix_cache_queries

@@ -1,7 +1,10 @@
 """Prometheus metrics with vLLM's names, labels and buckets, so vLLM's dashboards work on axon.
 
-Every metric carries the labels ``model_name`` and ``engine`` (``"0"``: axon runs one engine
-core per server), as vLLM V1's ``PrometheusStatLogger`` does. Each logger owns its own
+Every metric carries the labels ``model_name`` and ``engine``, as vLLM V1's
+``PrometheusStatLogger`` does: one series per engine core (``engine_indexes``; ``"0"`` alone
+unless ``--data-parallel-size`` runs several), each fed by ``record(..., engine_idx=i)`` with
+that core's reports. ``vllm:cache_config_info`` too has one series per engine, with that
+engine's own ``num_gpu_blocks`` (vLLM's front end sums them into one number). Each logger owns its own
 ``CollectorRegistry`` (never prometheus_client's global one), so several engines or tests in one
 process do not collide; the server exposes it with ``render_metrics(logger.registry)``.
 
@@ -13,13 +16,14 @@ counters exist only when the logger is built with ``num_speculative_tokens`` (sp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
 
 from axon.metrics.execution import ExecutionMetrics
+from axon.metrics.labels import LABELNAMES, engine_labelvalues, per_engine
 from axon.metrics.spec_decode import SpecDecodingProm
 from axon.metrics.stats import FinishedRequestStats, IterationStats
 from axon.step_outputs import SchedulerStats
@@ -72,20 +76,26 @@ class PrometheusStatLogger:
         self,
         model_name: str,
         max_model_len: int = 8192,
-        engine_index: int = 0,
+        engine_indexes: Sequence[int] = (0,),
         cache_config_info: Mapping[str, object] | None = None,
         num_speculative_tokens: int = 0,
     ) -> None:
+        assert engine_indexes, "at least one engine"
         self.registry = CollectorRegistry(auto_describe=True)
-        self.labelnames = ["model_name", "engine"]
-        self.labelvalues = [model_name, str(engine_index)]
-        self._last_num_preemptions = 0
+        self.engine_indexes = list(engine_indexes)
+        self.labelnames = list(LABELNAMES)
+        self.labelvalues_per_engine = engine_labelvalues(model_name, self.engine_indexes)
+        # The first engine's label values, for single-engine extensions (``register``).
+        self.labelvalues = self.labelvalues_per_engine[self.engine_indexes[0]]
+        self._last_num_preemptions = dict.fromkeys(self.engine_indexes, 0)
         self._make_gauges(cache_config_info)
         self._make_counters()
         self._make_histograms(max_model_len)
-        self.execution = ExecutionMetrics(self.registry, self.labelnames, self.labelvalues)
+        self.execution = ExecutionMetrics(self.registry, self.labelnames, self.labelvalues_per_engine)
         self.spec_decoding = (
-            SpecDecodingProm(self.registry, self.labelnames, self.labelvalues, num_speculative_tokens)
+            SpecDecodingProm(
+                self.registry, self.labelnames, self.labelvalues_per_engine, num_speculative_tokens
+            )
             if num_speculative_tokens
             else None
         )
@@ -95,70 +105,76 @@ class PrometheusStatLogger:
         """Add an axon-specific collector to this logger's registry (exposed on the same page).
 
         Build metrics with ``registry=None`` and ``labelnames=self.labelnames`` and label them
-        with ``*self.labelvalues`` to match the rest of the page.
+        with ``*self.labelvalues_per_engine[i]`` (``*self.labelvalues`` for the first engine)
+        to match the rest of the page.
         """
         self.registry.register(collector)
 
     # ---- StatLogger ------------------------------------------------------------------------
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
+    ) -> None:
         if scheduler_stats is not None:
-            self._record_scheduler(scheduler_stats)
+            self._record_scheduler(scheduler_stats, engine_idx)
         if iteration_stats is not None:
-            self._record_iteration(iteration_stats)
+            self._record_iteration(iteration_stats, engine_idx)
 
     def log(self) -> None:
         """Prometheus is scraped, not pushed: nothing to do."""
 
     # ---- internals -----------------------------------------------------------------------
-    def _record_scheduler(self, stats: SchedulerStats) -> None:
-        self.execution.record(stats)
+    def _record_scheduler(self, stats: SchedulerStats, engine_idx: int) -> None:
+        self.execution.record(stats, engine_idx)
         if self.spec_decoding is not None and stats.spec_decoding is not None:
-            self.spec_decoding.record(stats.spec_decoding)
-        self.num_requests_running.set(stats.num_running_reqs)
-        self.num_requests_waiting.set(stats.num_waiting_reqs)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+            self.spec_decoding.record(stats.spec_decoding, engine_idx)
+        self.num_requests_running[engine_idx].set(stats.num_running_reqs)
+        self.num_requests_waiting[engine_idx].set(stats.num_waiting_reqs)
+        self.kv_cache_usage_perc[engine_idx].set(stats.kv_cache_usage)
+        self.prefix_cache_queries[engine_idx].inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits[engine_idx].inc(stats.prefix_cache_hits)
         # A total below the last one means a new core started counting from zero.
-        increase = stats.num_preemptions - self._last_num_preemptions
+        increase = stats.num_preemptions - self._last_num_preemptions[engine_idx]
         if increase < 0:
             increase = stats.num_preemptions
-        self.num_preemptions.inc(increase)
-        self._last_num_preemptions = stats.num_preemptions
+        self.num_preemptions[engine_idx].inc(increase)
+        self._last_num_preemptions[engine_idx] = stats.num_preemptions
 
-    def _record_iteration(self, it: IterationStats) -> None:
-        self.prompt_tokens.inc(it.num_prompt_tokens)
-        self.generation_tokens.inc(it.num_generation_tokens)
+    def _record_iteration(self, it: IterationStats, engine_idx: int) -> None:
+        self.prompt_tokens[engine_idx].inc(it.num_prompt_tokens)
+        self.generation_tokens[engine_idx].inc(it.num_generation_tokens)
         num_tokens = it.num_prompt_tokens + it.num_generation_tokens
         if num_tokens:
-            self.iteration_tokens.observe(num_tokens)
+            self.iteration_tokens[engine_idx].observe(num_tokens)
         for ttft in it.time_to_first_tokens:
-            self.time_to_first_token.observe(ttft)
+            self.time_to_first_token[engine_idx].observe(ttft)
         for itl in it.inter_token_latencies:
-            self.inter_token_latency.observe(itl)
-            self.time_per_output_token.observe(itl)
+            self.inter_token_latency[engine_idx].observe(itl)
+            self.time_per_output_token[engine_idx].observe(itl)
         for finished in it.finished_requests:
-            self._record_finished(finished)
+            self._record_finished(finished, engine_idx)
 
-    def _record_finished(self, req: FinishedRequestStats) -> None:
-        self._success(req.finish_reason).inc()
-        self.e2e_request_latency.observe(req.e2e_latency)
-        self.request_queue_time.observe(req.queue_time)
-        self.request_prompt_tokens.observe(req.num_prompt_tokens)
-        self.request_generation_tokens.observe(req.num_generation_tokens)
-        self.request_params_n.observe(req.n)
+    def _record_finished(self, req: FinishedRequestStats, engine_idx: int) -> None:
+        self._success(req.finish_reason, engine_idx).inc()
+        self.e2e_request_latency[engine_idx].observe(req.e2e_latency)
+        self.request_queue_time[engine_idx].observe(req.queue_time)
+        self.request_prompt_tokens[engine_idx].observe(req.num_prompt_tokens)
+        self.request_generation_tokens[engine_idx].observe(req.num_generation_tokens)
+        self.request_params_n[engine_idx].observe(req.n)
         if req.max_tokens is not None:
-            self.request_params_max_tokens.observe(req.max_tokens)
+            self.request_params_max_tokens[engine_idx].observe(req.max_tokens)
 
-    def _success(self, finish_reason: str) -> Counter:
-        return self.request_success.labels(*self.labelvalues, finish_reason)
+    def _success(self, finish_reason: str, engine_idx: int) -> Counter:
+        return self.request_success.labels(*self.labelvalues_per_engine[engine_idx], finish_reason)
 
-    def _labeled(self, metric):
-        return metric.labels(*self.labelvalues)
+    def _per_engine(self, metric):
+        return per_engine(metric, self.labelvalues_per_engine)
 
     def _make_gauges(self, cache_config_info: Mapping[str, object] | None) -> None:
-        def gauge(name: str, doc: str) -> Gauge:
-            return self._labeled(Gauge(name, doc, self.labelnames, registry=self.registry))
+        def gauge(name: str, doc: str) -> dict[int, Gauge]:
+            return self._per_engine(Gauge(name, doc, self.labelnames, registry=self.registry))
 
         self.num_requests_running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
@@ -170,33 +186,37 @@ class PrometheusStatLogger:
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
         self._cache_info: Gauge | None = None
-        self._cache_info_labels: dict[str, str] = {}
+        self._cache_info_labels: dict[int, dict[str, str]] = {}
         if cache_config_info:
             labels = {name: str(value) for name, value in cache_config_info.items()}
             labels.setdefault("num_gpu_blocks", "None")  # known once the engine has sized the cache
             self._cache_info = Gauge(
                 "vllm:cache_config_info",
                 "Information of the LLMEngine CacheConfig",
-                sorted(labels),
+                sorted([*labels, "engine"]),
                 registry=self.registry,
             )
-            self._set_cache_info(labels)
+            for engine_idx in self.engine_indexes:
+                self._set_cache_info({**labels, "engine": str(engine_idx)}, engine_idx)
 
-    def _set_cache_info(self, labels: dict[str, str]) -> None:
+    def _set_cache_info(self, labels: dict[str, str], engine_idx: int) -> None:
         assert self._cache_info is not None
-        if self._cache_info_labels:
-            self._cache_info.remove(*(self._cache_info_labels[n] for n in sorted(self._cache_info_labels)))
-        self._cache_info_labels = labels
+        old = self._cache_info_labels.get(engine_idx)
+        if old:
+            self._cache_info.remove(*(old[n] for n in sorted(old)))
+        self._cache_info_labels[engine_idx] = labels
         self._cache_info.labels(*(labels[n] for n in sorted(labels))).set(1)
 
-    def record_num_blocks(self, num_blocks: int) -> None:
-        """The KV cache's size in blocks, as vLLM's cache_config_info reports it (num_gpu_blocks)."""
+    def record_num_blocks(self, num_blocks: int, engine_idx: int = 0) -> None:
+        """Engine ``engine_idx``'s KV cache size in blocks, as vLLM's cache_config_info reports it
+        (num_gpu_blocks)."""
         if self._cache_info is not None:
-            self._set_cache_info({**self._cache_info_labels, "num_gpu_blocks": str(num_blocks)})
+            labels = {**self._cache_info_labels[engine_idx], "num_gpu_blocks": str(num_blocks)}
+            self._set_cache_info(labels, engine_idx)
 
     def _make_counters(self) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return self._labeled(Counter(name, doc, self.labelnames, registry=self.registry))
+        def counter(name: str, doc: str) -> dict[int, Counter]:
+            return self._per_engine(Counter(name, doc, self.labelnames, registry=self.registry))
 
         self.prefix_cache_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
@@ -215,12 +235,13 @@ class PrometheusStatLogger:
             [*self.labelnames, "finished_reason"],
             registry=self.registry,
         )
-        for reason in FINISH_REASONS:  # present (at 0) from the first scrape, as in vLLM
-            self._success(reason)
+        for engine_idx in self.engine_indexes:
+            for reason in FINISH_REASONS:  # present (at 0) from the first scrape, as in vLLM
+                self._success(reason, engine_idx)
 
     def _make_histograms(self, max_model_len: int) -> None:
-        def histogram(name: str, doc: str, buckets: list) -> Histogram:
-            return self._labeled(
+        def histogram(name: str, doc: str, buckets: list) -> dict[int, Histogram]:
+            return self._per_engine(
                 Histogram(name, doc, self.labelnames, buckets=buckets, registry=self.registry)
             )
 

@@ -18,26 +18,29 @@ not draft it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter
 
+from axon.metrics.labels import per_engine
 from axon.step_outputs import SpecDecodingStats
 
 logger = logging.getLogger("axon.metrics")
 
 
 class SpecDecodingProm:
-    """vLLM's four spec-decode counters, labelled like the rest of the page."""
+    """vLLM's four spec-decode counters, labelled like the rest of the page, one series of each
+    per engine (``labelvalues``: engine index -> its values of ``labelnames``)."""
 
     def __init__(
         self,
         registry: CollectorRegistry,
         labelnames: list[str],
-        labelvalues: list[str],
+        labelvalues: Mapping[int, list[str]],
         num_speculative_tokens: int,
     ) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labelnames, registry=registry).labels(*labelvalues)
+        def counter(name: str, doc: str) -> dict[int, Counter]:
+            return per_engine(Counter(name, doc, labelnames, registry=registry), labelvalues)
 
         self.num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
@@ -51,18 +54,19 @@ class SpecDecodingProm:
             [*labelnames, "position"],
             registry=registry,
         )
-        for pos in range(num_speculative_tokens):  # present (at 0) from the first scrape
-            self._position(pos)
+        for engine_idx in labelvalues:
+            for pos in range(num_speculative_tokens):  # present (at 0) from the first scrape
+                self._position(pos, engine_idx)
 
-    def _position(self, pos: int) -> Counter:
-        return self._per_pos.labels(*self._labelvalues, str(pos))
+    def _position(self, pos: int, engine_idx: int) -> Counter:
+        return self._per_pos.labels(*self._labelvalues[engine_idx], str(pos))
 
-    def record(self, stats: SpecDecodingStats) -> None:
-        self.num_drafts.inc(stats.num_drafts)
-        self.num_draft_tokens.inc(stats.num_draft_tokens)
-        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+    def record(self, stats: SpecDecodingStats, engine_idx: int = 0) -> None:
+        self.num_drafts[engine_idx].inc(stats.num_drafts)
+        self.num_draft_tokens[engine_idx].inc(stats.num_draft_tokens)
+        self.num_accepted_tokens[engine_idx].inc(stats.num_accepted_tokens)
         for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
-            self._position(pos).inc(n)
+            self._position(pos, engine_idx).inc(n)
 
 
 class SpecDecodingLogging:

@@ -82,8 +82,13 @@ class IterationStats:
 
 class StatLogger(Protocol):
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
-    ) -> None: ...
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
+    ) -> None:
+        """One report of engine core ``engine_idx`` (0 .. data_parallel_size - 1)."""
+        ...
 
     def log(self) -> None:
         """Called periodically (every few seconds) by the server."""

@@ -216,7 +216,60 @@ def test_extra_collectors_share_the_page() -> None:
 def test_cache_config_info() -> None:
     stat_logger = PrometheusStatLogger(MODEL, cache_config_info={"block_size": 16, "num_gpu_blocks": 100})
     s = scrape(stat_logger)
-    assert s[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "100")))] == 1
+    assert (
+        s[("vllm:cache_config_info", (("block_size", "16"), ("engine", "0"), ("num_gpu_blocks", "100")))] == 1
+    )
+
+
+# ---- several engine cores (--data-parallel-size) ---------------------------------------------------
+def test_each_engine_has_its_own_series_fed_by_its_own_reports() -> None:
+    stat_logger = PrometheusStatLogger(MODEL, engine_indexes=[0, 1], num_speculative_tokens=2)
+    steps = two_requests_lifecycle()
+    for scheduler_stats, it in steps:
+        stat_logger.record(scheduler_stats, it, engine_idx=1)
+    stat_logger.record(SchedulerStats(num_running_reqs=7, num_preemptions=3), None, engine_idx=0)
+    stat_logger.record(SchedulerStats(num_preemptions=5), None, engine_idx=1)  # 3 before, its own
+    s = scrape(stat_logger)
+
+    def of(engine: str, name: str, **extra: str) -> float:
+        return s[(name, tuple(sorted({**LABELS, "engine": engine, **extra}.items())))]
+
+    # Engine 1 got the two requests, engine 0 only a load report: nothing mixes.
+    assert of("1", "vllm:request_success_total", finished_reason="stop") == 1
+    assert of("0", "vllm:request_success_total", finished_reason="stop") == 0
+    assert of("1", "vllm:prompt_tokens_total") == 14 and of("0", "vllm:prompt_tokens_total") == 0
+    assert of("0", "vllm:num_requests_running") == 7
+    assert of("0", "vllm:num_preemptions_total") == 3 and of("1", "vllm:num_preemptions_total") == 5
+    # Every series of every engine is there from the first scrape.
+    for engine in ("0", "1"):
+        assert of(engine, "vllm:spec_decode_num_drafts_total") == 0
+        assert of(engine, "axon:startup_time_seconds") == 0
+        assert of(engine, "vllm:time_to_first_token_seconds_count") >= 0
+
+
+def test_cache_config_info_per_engine() -> None:
+    stat_logger = PrometheusStatLogger(MODEL, engine_indexes=[0, 1], cache_config_info={"block_size": 16})
+    stat_logger.record_num_blocks(100, engine_idx=0)
+    stat_logger.record_num_blocks(90, engine_idx=1)
+    info = {k: v for k, v in scrape(stat_logger).items() if k[0] == "vllm:cache_config_info"}
+    assert {dict(labels)["engine"]: dict(labels)["num_gpu_blocks"] for _, labels in info} == {
+        "0": "100",
+        "1": "90",
+    }
+    assert set(info.values()) == {1}
+
+
+def test_a_logging_line_per_engine(caplog: pytest.LogCaptureFixture, clock: list[float]) -> None:
+    loggers = [LoggingStatLogger(0), LoggingStatLogger(1)]
+    for engine_idx, running in ((0, 3), (1, 5)):
+        for stat_logger in loggers:  # every logger is offered every engine's report
+            stat_logger.record(SchedulerStats(num_running_reqs=running), None, engine_idx=engine_idx)
+    with caplog.at_level(logging.INFO, logger="axon.metrics"):
+        for stat_logger in loggers:
+            stat_logger.log()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("Engine 000:") and "Running: 3 reqs" in lines[0]
+    assert lines[1].startswith("Engine 001:") and "Running: 5 reqs" in lines[1]
 
 
 # ---- LoggingStatLogger ---------------------------------------------------------------------------
