@@ -1,36 +1,46 @@
 """AsyncLLM: the server's engine. The front end (tokenize, detokenize, stream) runs here, in
-the server's event loop; the EngineCore runs in its own process (``core_proc.py``).
+the server's event loop; each EngineCore runs in its own process (``core_proc.py``), one per
+``data_parallel_size``, each behind its own pair of sockets (``core_client.py``).
 
 ``generate()`` yields RequestOutputs as the core produces tokens; leaving the generator early
-(a client that disconnects) aborts the request, so its KV blocks are freed at once. If the
-core process dies, every pending request fails with ``EngineDeadError`` and ``errored`` is set.
+(a client that disconnects) aborts the request, so its KV blocks are freed at once. If a core
+process dies, every pending request fails with ``EngineDeadError`` and ``errored`` is set.
 
-Liveness: the core sends a heartbeat every second from a thread of its own (``core_proc.py``).
+Data parallelism (``--data-parallel-size N``): each request goes whole (all its ``n`` samples)
+to the least loaded core (``choose_engine``: fewest requests in flight, then lowest KV usage,
+then lowest index); the front end remembers which core runs each child request, so aborts and
+stop-string aborts go there. The cores are one engine: if any of them dies, the whole engine is
+dead (every pending request fails, ``health_problem()`` names the core) and the others are
+stopped. Stat loggers get each core's reports with ``engine_idx`` = its index.
+
+Liveness: a core sends a heartbeat every second from a thread of its own (``core_proc.py``).
 ``health_problem()`` names a dead core (DEAD received, or its process gone, checked directly so
 there is no window in which a dead engine looks alive) or a stalled one (nothing heard for
-``heartbeat_timeout_s``: the process is stopped or frozen). Shutdown never waits on the core:
-SHUTDOWN is sent without blocking, the process is joined for a bounded time, then killed and
-reaped.
+``heartbeat_timeout_s``: the process is stopped or frozen). Shutdown never waits on a core:
+SHUTDOWN is sent without blocking, the processes are joined together for a bounded time, then
+killed and reaped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import multiprocessing
-import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-import zmq
 import zmq.asyncio
 
 from axon.config import AxonConfig
+from axon.engine.core_client import (
+    EngineCoreHandle,
+    EngineDeadError,
+    choose_engine,
+    core_config,
+)
 from axon.engine.core_proc import (
     ABORT,
     ADD,
@@ -38,11 +48,8 @@ from axon.engine.core_proc import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     HEARTBEAT,
     OUTPUTS,
-    READY,
-    SHUTDOWN,
     decode_outputs,
     encode,
-    run_engine_core,
 )
 from axon.engine.input_processor import InputProcessor, PromptType
 from axon.engine.output_processor import OutputProcessor, ParentRequest, PoolingRequest
@@ -52,16 +59,12 @@ from axon.metrics.stats import IterationStats, RequestTimes, StatLogger
 from axon.outputs import EmbeddingRequestOutput, RequestOutput
 from axon.pooling_params import PoolingParams
 from axon.sampling_params import RequestOutputKind, SamplingParams
-from axon.step_outputs import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-_STARTUP_TIMEOUT_S = 600.0
 _SHUTDOWN_JOIN_S = 5.0  # a live core finishes its step and exits on SHUTDOWN well within this
 
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLM", "EngineDeadError"]
 
 
 class AsyncLLM:
@@ -83,93 +86,66 @@ class AsyncLLM:
         self.stat_loggers = stat_loggers or []
         self.errored = False
         self.dead_error: str | None = None
-        self.num_blocks = 0
-        self.scheduler_stats: SchedulerStats | None = None  # the core's latest report
         self._queues: dict[str, asyncio.Queue[Any]] = {}  # RequestOutputs or an Exception
         self._children: dict[str, list[str]] = {}
         self._times: dict[str, RequestTimes] = {}
+        self._engine_of: dict[str, int] = {}  # child request -> its core, until seen to finish
         self._counter = itertools.count()
         self._ipc_dir = tempfile.mkdtemp(prefix="axon-ipc-")
         self._ctx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._process: multiprocessing.process.BaseProcess | None = None
-        self._output_task: asyncio.Task[None] | None = None
-        self._last_heard = time.monotonic()  # of any message from the core
+        num_engines = config.parallel_config.data_parallel_size
+        self.cores = [
+            EngineCoreHandle(self._ctx, core_config(config, i), i, num_engines, self._ipc_dir)
+            for i in range(num_engines)
+        ]
+        self._output_tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def num_blocks(self) -> int:
+        """KV-cache blocks of all cores together (each core's: ``cores[i].num_blocks``)."""
+        return sum(core.num_blocks for core in self.cores)
 
     # ---- life cycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the engine-core process and wait until its model is loaded."""
-        input_addr = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
-        output_addr = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
-        self._input.bind(input_addr)
-        self._output.bind(output_addr)
-        ctx = multiprocessing.get_context("spawn")
-        self._process = ctx.Process(
-            target=run_engine_core,
-            args=(self.config, input_addr, output_addr),
-            name="axon-engine-core",
-            daemon=True,
-        )
-        self._process.start()
-        kind, payload = await self._wait_ready()
-        if kind != READY:
-            raise EngineDeadError(f"the engine core failed to start:\n{msgspec.msgpack.decode(payload)}")
-        self.num_blocks = msgspec.msgpack.decode(payload)["num_blocks"]
-        self._last_heard = time.monotonic()
-        self._output_task = asyncio.create_task(self._output_loop())
-
-    async def _wait_ready(self) -> list[bytes]:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if await self._output.poll(500):
-                message = await self._output.recv_multipart()
-                if message[0] != HEARTBEAT:  # the core beats while it loads
-                    return message
-                continue
-            assert self._process is not None
-            if not self._process.is_alive():
-                raise EngineDeadError(
-                    f"the engine core exited with code {self._process.exitcode} during start-up"
-                )
-        raise EngineDeadError(f"the engine core did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+        """Start every engine-core process and wait until each has loaded its model; the first
+        core that fails to start fails start-up with its error."""
+        for core in self.cores:
+            core.start()
+        waits = [asyncio.create_task(core.wait_ready()) for core in self.cores]
+        try:
+            await asyncio.gather(*waits)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        if len(self.cores) > 1:
+            for core in self.cores:
+                logger.info("%s ready: pid %s, %d KV-cache blocks", core.name, core.pid, core.num_blocks)
+        self._output_tasks = [asyncio.create_task(self._output_loop(core)) for core in self.cores]
 
     async def shutdown(self) -> None:
-        """Stop the core and reap its process, in bounded time whatever state the core is in."""
-        if self._output_task is not None:
-            self._output_task.cancel()
-        if self._process is not None:
-            if self._process.is_alive():
-                # A dead or stopped core never reads it: queue it (or drop it) without waiting.
-                with contextlib.suppress(zmq.Again):
-                    await self._input.send_multipart([SHUTDOWN, b""], flags=zmq.NOBLOCK)
-            await asyncio.to_thread(_stop_process, self._process, _SHUTDOWN_JOIN_S)
-        self._input.close(linger=0)
-        self._output.close(linger=0)
+        """Stop every core and reap its process, in bounded time whatever state it is in."""
+        for task in self._output_tasks:
+            task.cancel()
+        await self._stop_cores()
+        for core in self.cores:
+            core.close()
         self._ctx.term()
+
+    async def _stop_cores(self) -> None:
+        await asyncio.gather(*(core.stop(_SHUTDOWN_JOIN_S) for core in self.cores))
 
     def is_alive(self) -> bool:
         return self.health_problem() is None
 
     def health_problem(self) -> tuple[str, str] | None:
-        """``(code, message)`` when the core is dead or stalled; None while it is alive and heard."""
+        """``(code, message)`` when a core is dead or stalled; None while all are alive and heard."""
         if self.errored:
             return "engine_dead", f"The engine is dead: {self.dead_error}"
-        if self._process is None:
-            return "engine_dead", "The engine core is not running."
-        if not self._process.is_alive():
-            return "engine_dead", f"The engine is dead: {self._exit_message()}"
-        silent_s = time.monotonic() - self._last_heard
-        if silent_s > self.heartbeat_timeout_s:
-            return "engine_stalled", (
-                f"The engine core has not answered for {silent_s:.0f} s (bound "
-                f"{self.heartbeat_timeout_s:.0f} s, --engine-heartbeat-timeout): it is stalled."
-            )
+        for core in self.cores:
+            problem = core.problem(self.heartbeat_timeout_s)
+            if problem is not None:
+                return problem
         return None
-
-    def _exit_message(self) -> str:
-        assert self._process is not None
-        return f"the engine core process exited with code {self._process.exitcode}"
 
     # ---- requests ----------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
@@ -202,12 +178,14 @@ class AsyncLLM:
         parent = ParentRequest(request_id, text, prompt_token_ids, params.n, output_kind)
         self._queues[request_id] = queue
         self._children[request_id] = [c.req_id for c in children]
+        core = self._least_loaded_core()  # all n samples on one core: they share the prompt's KV
         for index, (child, frame) in enumerate(zip(children, frames, strict=True)):
             self.output_processor.add_request(parent, child.req_id, index, params)
             self._times[child.req_id] = RequestTimes(
                 child.arrival_time, len(prompt_token_ids), child.sampling_params.max_tokens, params.n
             )
-            await self._input.send_multipart(frame)
+            self._track(child.req_id, core)
+            await core.input.send_multipart(frame)
         finished = False
         try:
             while not finished:
@@ -229,22 +207,24 @@ class AsyncLLM:
         return self.pooling_inputs.process(f"{request_id or 'embd'}-{next(self._counter)}", prompt, params)
 
     async def encode(self, item: PoolingInput) -> EmbeddingRequestOutput:
-        """Run one processed embedding request in the core; cancelling it aborts it there."""
+        """Run one processed embedding request in a core; cancelling it aborts it there."""
         if self.errored:
             raise EngineDeadError(self.dead_error or "the engine core is not running")
-        core = item.request
-        request_id = core.req_id
+        request = item.request
+        request_id = request.req_id
         self.output_processor.check_new_ids([request_id])
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[request_id] = queue
         self._children[request_id] = [request_id]
         self.output_processor.add_pooling_request(
-            PoolingRequest(request_id, item.prompt, core.prompt_token_ids)
+            PoolingRequest(request_id, item.prompt, request.prompt_token_ids)
         )
-        self._times[request_id] = RequestTimes(core.arrival_time, len(core.prompt_token_ids), None, 1)
+        self._times[request_id] = RequestTimes(request.arrival_time, len(request.prompt_token_ids), None, 1)
         finished = False
         try:
-            await self._input.send_multipart(encode(ADD, core))
+            core = self._least_loaded_core()
+            self._track(request_id, core)
+            await core.input.send_multipart(encode(ADD, request))
             result = await queue.get()
             if isinstance(result, Exception):
                 raise result
@@ -260,44 +240,71 @@ class AsyncLLM:
         if not child_ids:
             return
         self.output_processor.abort_requests(child_ids)
+        running: dict[int, list[str]] = {}  # core -> its children of this request still running
         for child_id in child_ids:
             self._times.pop(child_id, None)
+            index = self._untrack(child_id)
+            if index is not None:
+                running.setdefault(index, []).append(child_id)
         if not self.errored:
-            await self._input.send_multipart(encode(ABORT, child_ids))
+            for index, ids in running.items():
+                await self.cores[index].input.send_multipart(encode(ABORT, ids))
 
-    # ---- outputs from the core ------------------------------------------------------------
-    async def _output_loop(self) -> None:
+    # ---- which core runs what ----------------------------------------------------------------
+    def _least_loaded_core(self) -> EngineCoreHandle:
+        if len(self.cores) == 1:
+            return self.cores[0]
+        index = choose_engine(
+            [core.num_inflight for core in self.cores], [core.kv_cache_usage for core in self.cores]
+        )
+        return self.cores[index]
+
+    def _track(self, child_id: str, core: EngineCoreHandle) -> None:
+        self._engine_of[child_id] = core.index
+        core.num_inflight += 1
+
+    def _untrack(self, child_id: str) -> int | None:
+        """Forget a child that finished or was aborted; returns its core (None: already done)."""
+        index = self._engine_of.pop(child_id, None)
+        if index is not None:
+            self.cores[index].num_inflight -= 1
+        return index
+
+    # ---- outputs from the cores -----------------------------------------------------------
+    async def _output_loop(self, core: EngineCoreHandle) -> None:
         try:
             while True:
-                kind, payload = await self._output.recv_multipart()
-                self._last_heard = time.monotonic()
+                kind, payload = await core.output.recv_multipart()
+                core.last_heard = time.monotonic()
                 if kind == HEARTBEAT:
                     continue
                 if kind == DEAD:
-                    self._die(msgspec.msgpack.decode(payload))
+                    self._die(msgspec.msgpack.decode(payload), core)
                     return
                 if kind == OUTPUTS:
-                    await self._process_outputs(decode_outputs(payload))
+                    await self._process_outputs(core, decode_outputs(payload))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must fail requests, not hang them
-            logger.exception("output loop failed")
-            self._die(f"output processing failed: {e!r}")
+            logger.exception("output loop of %s failed", core.name)
+            self._die(f"output processing failed: {e!r}", core)
 
-    async def _process_outputs(self, core_outputs) -> None:
+    async def _process_outputs(self, core: EngineCoreHandle, core_outputs) -> None:
         iteration = IterationStats()
         if core_outputs.scheduler_stats is not None:
-            self.scheduler_stats = core_outputs.scheduler_stats
+            core.scheduler_stats = core_outputs.scheduler_stats
         for out in core_outputs.outputs:
             times = self._times.get(out.req_id)
             if times is not None:
                 iteration.update_from_output(out, times)
         request_outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
         if stopped:
-            await self._input.send_multipart(encode(ABORT, stopped))
+            await core.input.send_multipart(encode(ABORT, stopped))
         for out in core_outputs.outputs:
-            times = self._times.get(out.req_id)
             child_done = out.finished or out.req_id in stopped
+            if child_done:
+                self._untrack(out.req_id)
+            times = self._times.get(out.req_id)
             if times is not None and child_done:
                 reason = "stop" if out.req_id in stopped else out.finish_reason
                 iteration.finish(times, reason or "abort")
@@ -309,36 +316,31 @@ class AsyncLLM:
             if request_output.finished:
                 self._children.pop(request_output.request_id, None)
         for stat_logger in self.stat_loggers:
-            stat_logger.record(core_outputs.scheduler_stats, iteration)
+            stat_logger.record(core_outputs.scheduler_stats, iteration, engine_idx=core.index)
 
-    def _die(self, error: str) -> None:
-        """``error``: a reason or the core's traceback. The log gets it whole; clients, /health
-        and ``dead_error`` get its last line (the exception), never file paths and frames."""
+    def _die(self, error: str, core: EngineCoreHandle) -> None:
+        """``error``: a reason or ``core``'s traceback. The log gets it whole; clients, /health
+        and ``dead_error`` get its last line (the exception), never file paths and frames, after
+        the core's name when there are several. One dead core is a dead engine."""
+        if self.errored:
+            return
         self.errored = True
-        self.dead_error = error.strip().splitlines()[-1] if error.strip() else "unknown error"
-        logger.error("engine core died: %s", error)
+        last_line = error.strip().splitlines()[-1] if error.strip() else "unknown error"
+        named = len(self.cores) == 1 or last_line.startswith(core.name)
+        self.dead_error = last_line if named else f"{core.name}: {last_line}"
+        logger.error("%s died: %s", core.name, error)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(self.dead_error))
 
     async def watch_process(self) -> None:
-        """Turn a silent death of the core process (killed, crashed) into ``errored``; once
-        dead either way, reap the process (it exits right after sending DEAD)."""
+        """Turn a silent death of a core process (killed, crashed) into ``errored``; once dead
+        either way, stop the other cores and reap every process (a failed core exits right
+        after sending DEAD)."""
         while not self.errored:
             await asyncio.sleep(0.5)
-            if self._process is not None and not self._process.is_alive():
+            gone = next((core for core in self.cores if core.is_gone()), None)
+            if gone is not None:
                 # Give a DEAD message already on the wire a moment to arrive first.
                 await asyncio.sleep(0.2)
-                if not self.errored:
-                    self._die(self._exit_message())
-        if self._process is not None:
-            await asyncio.to_thread(_stop_process, self._process, _SHUTDOWN_JOIN_S)
-
-
-def _stop_process(process: multiprocessing.process.BaseProcess, join_s: float) -> None:
-    """Join ``process`` for ``join_s``, then kill it (SIGKILL also ends a stopped process) and
-    reap it, so that no zombie outlives the server."""
-    process.join(join_s)
-    if process.is_alive():
-        logger.warning("the engine core did not exit within %.0f s; killing it", join_s)
-        process.kill()
-    process.join()
+                self._die(gone.exit_message(), gone)
+        await self._stop_cores()

@@ -20,6 +20,7 @@ from axon.sampling_params import RequestOutputKind, SamplingParams
 
 class LLMEngine:
     def __init__(self, config: AxonConfig) -> None:
+        _refuse_data_parallel(config)
         self.config = config
         model_config = config.model_config
         assert model_config.tokenizer is not None, "resolve_config() sets the tokenizer"
@@ -85,3 +86,14 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+
+def _refuse_data_parallel(config: AxonConfig) -> None:
+    """The in-process engine runs one core; several are the server's (one process each)."""
+    size = config.parallel_config.data_parallel_size
+    if size > 1:
+        raise ValueError(
+            f"data_parallel_size {size}: the offline LLM (and axon generate / axon chat) runs one "
+            "engine core in this process; to run several behind one endpoint, serve the model "
+            f"with `axon serve --data-parallel-size {size}`"
+        )

@@ -326,6 +326,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     names = args.served_model_name  # several names (nargs="+"); the config holds the first
     kwargs = {k: v for k, v in engine_kwargs(args).items() if k != "served_model_name"}
+    if "data_parallel_rank" in kwargs:
+        raise ValueError(
+            "--data-parallel-rank: axon serve numbers its --data-parallel-size engine cores itself; "
+            "multi-host data parallelism (vLLM's --data-parallel-rank with an external load "
+            "balancer) is not implemented"
+        )
     if names:
         kwargs["served_model_name"] = names[0]
     config = create_engine_config(model=args.model_tag or args.model, **kwargs)

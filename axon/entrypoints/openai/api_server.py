@@ -8,7 +8,8 @@ Life cycle:
                        the engine core is shut down; exit 0
     engine dies     -> /health 503 naming it at once and new requests 503; in-flight ones fail
                        with the engine's error; after a short grace the server exits 1, the
-                       engine process reaped (shutdown never waits on a dead or stopped core)
+                       engine processes reaped (shutdown never waits on a dead or stopped core);
+                       with --data-parallel-size N, any one core's death is the engine's
     engine stalls   -> /health 503 (engine_stalled) while no heartbeat came for
                        --engine-heartbeat-timeout; 200 again if it resumes
     second signal   -> exit at once (uvicorn's force exit), whatever is still draining
@@ -101,15 +102,17 @@ class ServerState:
         self.chat_template = cli_args.load_chat_template(args.chat_template)
         assert config.model_config.max_model_len is not None
         spec = config.speculative_config.speculative_config  # resolved: vLLM's keys, or None
+        engine_indexes = list(range(config.parallel_config.data_parallel_size))
         self.prometheus = PrometheusStatLogger(
             served_model_names[0],
             max_model_len=config.model_config.max_model_len,
+            engine_indexes=engine_indexes,
             cache_config_info=dataclasses.asdict(config.cache_config),
             num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0,
         )
         self.stat_loggers: list[StatLogger] = [self.prometheus]
         if not config.observability_config.disable_log_stats:
-            self.stat_loggers.append(LoggingStatLogger())
+            self.stat_loggers += [LoggingStatLogger(i) for i in engine_indexes]  # one line per core
         self.shutdown_event = asyncio.Event()
         self.engine: AsyncLLM | None = None
         self.servings: Servings | None = None
@@ -127,7 +130,8 @@ class ServerState:
         try:
             self.engine = self._make_engine()
             await self.engine.start()
-            self.prometheus.record_num_blocks(self.engine.num_blocks)
+            for core in self.engine.cores:
+                self.prometheus.record_num_blocks(core.num_blocks, engine_idx=core.index)
         except Exception as e:  # noqa: BLE001 (any start-up failure ends the server, with its reason)
             logger.error("the engine failed to start: %s", e)
             self.exit(1)
@@ -155,7 +159,9 @@ class ServerState:
             served_model_names=self.served_model_names,
             model_path=m.model_path,
             max_model_len=m.max_model_len,
-            admission=Admission(s.max_num_seqs, self.args.max_waiting_requests),
+            admission=Admission(
+                s.max_num_seqs, self.args.max_waiting_requests, self.config.parallel_config.data_parallel_size
+            ),
             shutdown_event=self.shutdown_event,
             log_requests=self.args.enable_log_requests,
             max_log_len=self.args.max_log_len,
@@ -177,7 +183,7 @@ class ServerState:
     async def _supervise(self, engine: AsyncLLM) -> None:
         await engine.watch_process()
         logger.error(
-            "the engine core is dead (%s); /health answers 503 and the server exits in %.0f s",
+            "the engine is dead (%s); /health answers 503 and the server exits in %.0f s",
             engine.dead_error,
             DEAD_ENGINE_GRACE_S,
         )

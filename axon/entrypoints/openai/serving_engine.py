@@ -46,30 +46,35 @@ def _prompt_pool() -> ThreadPoolExecutor:
 class Admission:
     """Bounds the requests waiting beyond what the engine runs (``--max-waiting-requests``).
 
-    Counts sequences (n per request) from admission until their response ends; the engine runs
-    at most ``max_num_seqs`` of them, so the rest are waiting.
+    Counts sequences (n per request) from admission until their response ends; each of the
+    ``num_engines`` engine cores (``--data-parallel-size``) runs at most ``max_num_seqs`` of
+    them, so beyond ``max_running_seqs`` the rest are waiting.
     """
 
-    def __init__(self, max_num_seqs: int, max_waiting_requests: int | None) -> None:
-        self.max_num_seqs = max_num_seqs
+    def __init__(self, max_num_seqs: int, max_waiting_requests: int | None, num_engines: int = 1) -> None:
+        self.max_num_seqs = max_num_seqs  # per core: a request's n samples run on one core
+        self.max_running_seqs = max_num_seqs * num_engines
         self.max_waiting_requests = max_waiting_requests
         self.num_inflight_seqs = 0
+        self._running_flags = f"--max-num-seqs {max_num_seqs}" + (
+            f" times --data-parallel-size {num_engines}" if num_engines > 1 else ""
+        )
 
     @property
     def num_waiting(self) -> int:
-        return max(self.num_inflight_seqs - self.max_num_seqs, 0)
+        return max(self.num_inflight_seqs - self.max_running_seqs, 0)
 
     def admit(self, num_seqs: int) -> Ticket:
         limit = self.max_waiting_requests
-        if limit is not None and num_seqs > self.max_num_seqs + limit:
+        if limit is not None and num_seqs > self.max_running_seqs + limit:
             # More than could ever be admitted: retrying cannot help, so this is the client's error.
             raise bad_request(
                 f"The request asks for {num_seqs} sequences (n times the prompts); at most "
-                f"{self.max_num_seqs + limit} can be admitted (--max-num-seqs {self.max_num_seqs} "
+                f"{self.max_running_seqs + limit} can be admitted ({self._running_flags} "
                 f"plus --max-waiting-requests {limit}).",
                 param="n",
             )
-        if limit is not None and self.num_inflight_seqs + num_seqs - self.max_num_seqs > limit:
+        if limit is not None and self.num_inflight_seqs + num_seqs - self.max_running_seqs > limit:
             raise unavailable(
                 f"The server is overloaded: {self.num_waiting} requests are waiting "
                 f"(--max-waiting-requests {limit}). Retry later.",
@@ -278,12 +283,13 @@ class OpenAIServing:
 
     def check_n(self, n: int) -> None:
         """n is capped at ``--max-num-seqs``: one request's samples fit in the running batch
-        together, and a client cannot hold the engine for minutes (or never be admitted)."""
+        (of the one engine core they all go to) together, and a client cannot hold the engine
+        for minutes (or never be admitted)."""
         max_num_seqs = self.ctx.admission.max_num_seqs
         if n > max_num_seqs:
             raise bad_request(
-                f"n must be at most {max_num_seqs} (--max-num-seqs, the most sequences the engine "
-                f"runs at once), got {n}.",
+                f"n must be at most {max_num_seqs} (--max-num-seqs, the most sequences an engine "
+                f"core runs at once), got {n}.",
                 param="n",
             )
 
