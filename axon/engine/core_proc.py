@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -33,6 +34,7 @@ import zmq
 
 from axon.config import AxonConfig
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from axon.platforms.processes import die_with_parent
 from axon.startup import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,9 @@ def decode_request(frame: bytes) -> EngineCoreRequest:
 
 def run_engine_core(config: AxonConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the engine-core process (started with the spawn method)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None:
+        die_with_parent(parent.pid)  # a killed front end leaves no engine behind
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     configure_logging("engine-core")
     ctx = zmq.Context()

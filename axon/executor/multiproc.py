@@ -23,7 +23,6 @@ kills the ranks still stuck in a collective. A rank dies with the engine-core pr
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import logging
 import multiprocessing
@@ -47,6 +46,7 @@ import zmq
 from axon.config import AxonConfig
 from axon.distributed.parallel_state import DistributedInit, shm_segment_bytes
 from axon.executor.abstract import Executor, resolve_async_scheduling
+from axon.platforms.processes import die_with_parent
 from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.startup import configure_logging
 
@@ -109,7 +109,10 @@ class _Ranks:
                 target=_worker_main,
                 args=(config, dist_init, command_addr, reply_addr, os.getpid()),
                 name=f"axon-worker-{rank}",
-                daemon=True,
+                # Not daemonic: the engine core that starts them is a daemon itself, and a daemon
+                # may not have daemonic children. They stop with the executor (stop(), or its
+                # finalizer at exit) and die with the engine core (PR_SET_PDEATHSIG).
+                daemon=False,
             )
             proc.start()
             self.procs.append(proc)
@@ -200,8 +203,7 @@ class MultiprocExecutor(Executor):
         self._pending: deque[_StepFuture] = deque()
         self._ranks = _Ranks(config, self.world)
         # Runs on shutdown(), when the executor is collected, or at exit (before
-        # multiprocessing's own handler terminates the daemon ranks, which the watcher would
-        # take for deaths).
+        # multiprocessing's own exit handler, which would wait for the ranks forever).
         self._stop = weakref.finalize(self, self._ranks.stop)
         try:
             ready = self._ranks.gather(timeout_s=_STARTUP_TIMEOUT_S)
@@ -284,19 +286,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: this process gets SIGKILL when the engine-core process dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # it died before the line above ran
-        os._exit(1)
-
-
 def _worker_main(
     config: AxonConfig, dist_init: DistributedInit, command_addr: str, reply_addr: str, parent_pid: int
 ) -> None:
     """A rank's process: build the Worker, then run the calls the executor sends, in order."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when the ranks stop
     configure_logging(f"worker-{dist_init.rank}")
     ctx = zmq.Context()
