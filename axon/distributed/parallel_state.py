@@ -43,6 +43,10 @@ class DistributedInit:
     init_method: str  # torch.distributed's rendezvous, e.g. tcp://127.0.0.1:PORT
     shm_path: str | None = None  # the CPU communicator's segment, created by the executor
     shm_slot_bytes: int = 0
+    # This rank among the group's ranks on its own host (they share its CPUs); None: rank and
+    # size, every rank on one host.
+    local_rank: int | None = None
+    local_size: int | None = None
 
 
 _group = TensorParallelGroup()

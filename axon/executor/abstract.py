@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from axon.config import EXECUTOR_BACKENDS, AxonConfig
 from axon.platforms import resolve_device
@@ -92,6 +94,23 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Release the workers; steps still in flight are abandoned."""
+
+
+class WorkerError(RuntimeError):
+    """A worker (rank) raised or died; the message names it and carries its traceback or exit code."""
+
+
+class LazyFuture(Future):
+    """A step's output that a remote rank sends back, read only when the engine asks for it
+    (``wait(future)`` reads replies until this future has its result or exception)."""
+
+    def __init__(self, wait: Callable[[LazyFuture], None]) -> None:
+        super().__init__()
+        self._wait = wait
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._wait(self)
+        return super().result(timeout)
 
 
 def resolve_async_scheduling(config: AxonConfig) -> bool:

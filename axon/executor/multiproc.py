@@ -45,7 +45,7 @@ import zmq
 
 from axon.config import AxonConfig
 from axon.distributed.parallel_state import DistributedInit, shm_segment_bytes
-from axon.executor.abstract import Executor, resolve_async_scheduling
+from axon.executor.abstract import Executor, LazyFuture, WorkerError, resolve_async_scheduling
 from axon.platforms.processes import die_with_parent
 from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.startup import configure_logging
@@ -58,22 +58,6 @@ _SHUTDOWN_JOIN_S = 5.0
 # A slot of the CPU all-reduce's shared segment: a bigger tensor goes through in chunks.
 SHM_SLOT_BYTES = 4 << 20
 _STEP = "execute_model"
-
-
-class WorkerError(RuntimeError):
-    """A rank raised or died; the message names it and carries its traceback or exit code."""
-
-
-class _StepFuture(Future):
-    """A step's output, read from rank 0's replies when the engine asks for it."""
-
-    def __init__(self, executor: MultiprocExecutor) -> None:
-        super().__init__()
-        self._executor = executor
-
-    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
-        self._executor._wait_for(self)
-        return super().result(timeout)
 
 
 class _Ranks:
@@ -200,7 +184,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: AxonConfig) -> None:
         self.world = config.parallel_config.tensor_parallel_size
         self._async_scheduling = resolve_async_scheduling(config)
-        self._pending: deque[_StepFuture] = deque()
+        self._pending: deque[LazyFuture] = deque()
         self._ranks = _Ranks(config, self.world)
         # Runs on shutdown(), when the executor is collected, or at exit (before
         # multiprocessing's own exit handler, which would wait for the ranks forever).
@@ -240,7 +224,7 @@ class MultiprocExecutor(Executor):
         return self._call_all("compile_pending")[0]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        future = _StepFuture(self)
+        future: LazyFuture = LazyFuture(self._wait_for)
         self._pending.append(future)
         try:
             self._ranks.send(_STEP, scheduler_output)
@@ -261,7 +245,7 @@ class MultiprocExecutor(Executor):
         self._ranks.send(method, *args)
         return self._ranks.gather()
 
-    def _wait_for(self, future: _StepFuture) -> None:
+    def _wait_for(self, future: LazyFuture) -> None:
         """Read rank 0's step replies, in order, until ``future`` has its output."""
         while not future.done():
             try:

@@ -100,8 +100,12 @@ class Worker:
 
     def __init__(self, config: AxonConfig, dist_init: DistributedInit | None = None) -> None:
         self.config = config
-        rank = dist_init.rank if dist_init is not None else 0
-        self.rank = rank
+        self.rank = dist_init.rank if dist_init is not None else 0
+        # This rank's place among the ranks on its host, whose CPUs they split.
+        local_rank, local_size = 0, config.parallel_config.tensor_parallel_size
+        if dist_init is not None:
+            local_rank = dist_init.rank if dist_init.local_rank is None else dist_init.local_rank
+            local_size = dist_init.size if dist_init.local_size is None else dist_init.local_size
         self.device = resolve_device(config.device_config.device)
         self.dtype = resolve_dtype(config.model_config.dtype, self.device)
         t0 = time.perf_counter()
@@ -117,8 +121,8 @@ class Worker:
             cache_root,
             d.num_threads,
             d.omp_threads_bind,
-            rank=p.data_parallel_rank * p.tensor_parallel_size + rank,
-            world=p.data_parallel_size * p.tensor_parallel_size,
+            rank=p.data_parallel_rank * local_size + local_rank,
+            world=p.data_parallel_size * local_size,
         )
         if dist_init is not None:
             init_tensor_parallel(dist_init, self.device, cpu_kernels)
