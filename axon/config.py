@@ -155,6 +155,10 @@ class CompilationConfig:
     linear_backend: str = "auto"
     """auto | cpu_bf16 | onednn | torch. auto: axon's bf16 kernel on AVX-512 BF16 CPUs, else
     oneDNN with prepacked weights on the CPU (axon/model/layers/linear.py), else torch."""
+    compile_cache_store: str | None = None
+    """A folder every host can read and write (NFS, a mounted bucket): compiled graphs are
+    fetched from it before compiling and published to it after, so a second host or a restarted
+    pod starts warm (axon/worker/compiler.py). None: $AXON_COMPILE_CACHE_STORE, else none."""
 
 
 @dataclass(frozen=True)

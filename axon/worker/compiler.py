@@ -7,6 +7,13 @@ as an opaque op (``axon/model/layers/attention/layer.py``). Inductor's graph cac
 config, dtype, device, block size, attention backend, torch and axon versions), so a second
 start loads every graph instead of generating code.
 
+A shared store (``compile_cache_store``: a folder on NFS or a mounted bucket) extends the cache
+across hosts: before compiling, the files of this key's cache that the store has and this host
+lacks are copied in; after compiling, the files the store lacks are copied out (each file
+written under a temporary name and renamed, so a reader never sees half of one). Nothing in the
+key names a path of this host (the model is known by its config, not its folder), so another
+host, or a pod with a new cache root, reads the same entries.
+
 Two policies (``bucket_compile``):
   on_demand (default)  a bucket's steps run eagerly at their exact shape until its graph is
                        ready; the buckets traffic reached compile when the engine is idle
@@ -24,7 +31,9 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +83,7 @@ class BucketCompiler:
         device: torch.device,
         cache_dir: str,
         policy: str,
+        store_dir: str | None = None,
     ) -> None:
         assert policy in BUCKET_COMPILE_POLICIES, policy
         self.attention_layers = list(attention_layers)
@@ -81,6 +91,7 @@ class BucketCompiler:
         self.block_size = block_size
         self.device = device
         self.policy = policy
+        self.cache_dir, self.store_dir = cache_dir, store_dir
         self.stats = CompileStats()
         self._ready: set[int] = set()
         self._pending: list[int] = []  # reached by traffic, not compiled yet
@@ -100,8 +111,10 @@ class BucketCompiler:
         )
 
     def warmup(self) -> None:
+        self._fetch()
         for n in self.token_sizes:
             self._compile(n)
+        self._publish()
 
     def graph_for(self, num_tokens: int) -> Callable[..., torch.Tensor] | None:
         """The graph for this bucket if it is ready; else None (run eagerly), and under
@@ -137,8 +150,20 @@ class BucketCompiler:
 
     def compile_pending(self) -> None:
         """Compile the buckets traffic reached (call it between steps, when idle)."""
+        self._fetch()
         while self._pending:
             self._compile(self._pending.pop(0))
+        self._publish()
+
+    def _fetch(self) -> None:
+        if self.store_dir is not None and os.path.isdir(self.store_dir):
+            copied = copy_missing(self.store_dir, self.cache_dir)
+            logger.info("compile cache store %s: %d files fetched", self.store_dir, copied)
+
+    def _publish(self) -> None:
+        if self.store_dir is not None:
+            copied = copy_missing(self.cache_dir, self.store_dir)
+            logger.info("compile cache store %s: %d files published", self.store_dir, copied)
 
     def take_events(self) -> list[CompileEvent]:
         events, self._events = self._events, []
@@ -179,6 +204,32 @@ class BucketCompiler:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         with set_forward_context(metadata, self.attention_layers):
             self._compiled(ids, ids.clone())
+
+
+def copy_missing(src: str, dst: str) -> int:
+    """Copy every file under ``src`` that ``dst`` lacks (lock and temporary files aside), each
+    to a temporary name and renamed, so concurrent readers and writers never see a partial
+    file; the number copied."""
+    copied = 0
+    for folder, _, files in os.walk(src):
+        rel = os.path.relpath(folder, src)
+        for name in files:
+            if name.endswith(".lock") or ".tmp-" in name:
+                continue
+            target = os.path.normpath(os.path.join(dst, rel, name))
+            if os.path.exists(target):
+                continue
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = f"{target}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                shutil.copy2(os.path.join(folder, name), tmp)
+                os.replace(tmp, target)
+            except FileNotFoundError:  # removed under us (a temporary file of a compile)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(tmp)
+                continue
+            copied += 1
+    return copied
 
 
 _HAS_SKIP_GUARD_EVAL = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters

@@ -180,7 +180,8 @@ class Worker:
                 # A rank's graphs: its shapes and its collectives (absent with one rank, so
                 # caches from before tensor parallelism stay valid).
                 **({"tensor_parallel": (self.rank, tp)} if tp > 1 else {}),
-                "model": m.model_path,
+                # The model by its config, not its folder: a host whose folder lies elsewhere
+                # (another cache root, another mount) shares the graphs (compile_cache_store).
                 "hf_config": m.hf_config,
                 "dtype": str(self.dtype),
                 "device": self.device.type,
@@ -192,6 +193,8 @@ class Worker:
             }
         )
         assert m.cache_root is not None, "resolve_config() sets cache_root"
+        comp = self.config.compilation_config
+        store = comp.compile_cache_store or os.environ.get("AXON_COMPILE_CACHE_STORE")
         return BucketCompiler(
             self.model,
             self.model.attention_layers(),
@@ -200,6 +203,7 @@ class Worker:
             self.device,
             cache_dir=os.path.join(m.cache_root, "compile", key),
             policy=self.config.compilation_config.bucket_compile,
+            store_dir=os.path.join(store, key) if store else None,
         )
 
     def compile_or_warm_up_model(self) -> list[CompileEvent]:

@@ -1,5 +1,6 @@
 """Compiled buckets: the same greedy tokens as eager on every bucket a run uses, background
-compilation that switches buckets over mid-run, and the disk cache hit on a second start."""
+compilation that switches buckets over mid-run, the disk cache hit on a second start, and a
+second host starting warm from a shared store."""
 
 from __future__ import annotations
 
@@ -99,7 +100,16 @@ _START = textwrap.dedent(
 )
 
 
-def test_second_start_hits_the_compile_cache(tiny_model_dir, tmp_path) -> None:
+def _share_kernels(root, kernel_cache_root: str) -> None:
+    """The C++ kernels are not what these tests are about: a fresh cache root reuses the suite's
+    build instead of building them again (a minute on 2 cores)."""
+    root.mkdir(exist_ok=True)
+    (root / "kernels").symlink_to(os.path.join(kernel_cache_root, "kernels"))
+
+
+def test_second_start_hits_the_compile_cache(tiny_model_dir, tmp_path, kernel_cache_root) -> None:
+    _share_kernels(tmp_path, kernel_cache_root)
+
     def start() -> dict:
         env = {**os.environ, "AXON_ENFORCE_EAGER": "0"}
         args = [sys.executable, "-c", _START, tiny_model_dir("llama"), str(tmp_path), json.dumps(BUCKETS)]
@@ -108,3 +118,22 @@ def test_second_start_hits_the_compile_cache(tiny_model_dir, tmp_path) -> None:
 
     assert start() == {"graphs": 2, "hits": 0}
     assert start() == {"graphs": 2, "hits": 2}
+
+
+def test_a_new_host_starts_warm_from_the_shared_store(tiny_model_dir, tmp_path, kernel_cache_root) -> None:
+    """Two hosts (two cache roots) and one shared store: the first compiles and publishes, the
+    second, whose own cache is empty, loads every graph from what it fetched."""
+    store = tmp_path / "store"
+
+    def start(host: str) -> dict:
+        root = tmp_path / host
+        _share_kernels(root, kernel_cache_root)
+        env = {**os.environ, "AXON_ENFORCE_EAGER": "0"}
+        options = json.dumps({**BUCKETS, "compile_cache_store": str(store)})
+        args = [sys.executable, "-c", _START, tiny_model_dir("llama"), str(root), options]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert start("host-a") == {"graphs": 2, "hits": 0}
+    assert any(store.iterdir())
+    assert start("host-b") == {"graphs": 2, "hits": 2}
