@@ -52,6 +52,9 @@ def tiny_hf_config(family: str, tokenizer=None):
                 "original_max_position_embeddings": 64,
             },
         )
+    if family == "llama_one_kv_head_odd_vocab":
+        # Tensor parallelism's corners: one KV head for two ranks, a vocabulary 2 does not divide.
+        return tf.LlamaConfig(**{**TINY_DIMS, "num_key_value_heads": 1, "vocab_size": 509})
     if family == "llama_tied":
         return tf.LlamaConfig(**TINY_DIMS, tie_word_embeddings=True)
     if family == "qwen2":

@@ -96,6 +96,39 @@ class Executor(ABC):
         """Release the workers; steps still in flight are abandoned."""
 
 
+class MultiRankExecutor(Executor):
+    """An executor of several ranks that every call reaches (``mp``, ``ray``): start-up and
+    compile calls go to every rank; the block count is the minimum over ranks, compile events
+    are rank 0's (every rank compiles the same buckets at the same time)."""
+
+    _async_scheduling: bool
+    _load_time_s: float
+
+    @abstractmethod
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``Worker.<method>(*args)`` on every rank (no step in flight); results by rank."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 2 if self._async_scheduling else 1
+
+    @property
+    def model_load_time_s(self) -> float:
+        return self._load_time_s
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call_all("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def compile_or_warm_up_model(self) -> list[CompileEvent]:
+        return self._call_all("compile_or_warm_up_model")[0]
+
+    def compile_pending(self) -> list[CompileEvent]:
+        return self._call_all("compile_pending")[0]
+
+
 class WorkerError(RuntimeError):
     """A worker (rank) raised or died; the message names it and carries its traceback or exit code."""
 

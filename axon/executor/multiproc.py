@@ -45,9 +45,9 @@ import zmq
 
 from axon.config import AxonConfig
 from axon.distributed.parallel_state import DistributedInit, shm_segment_bytes
-from axon.executor.abstract import Executor, LazyFuture, WorkerError, resolve_async_scheduling
+from axon.executor.abstract import LazyFuture, MultiRankExecutor, WorkerError, resolve_async_scheduling
 from axon.platforms.processes import die_with_parent
-from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
+from axon.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from axon.startup import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class _Ranks:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(MultiRankExecutor):
     def __init__(self, config: AxonConfig) -> None:
         self.world = config.parallel_config.tensor_parallel_size
         self._async_scheduling = resolve_async_scheduling(config)
@@ -202,27 +202,7 @@ class MultiprocExecutor(Executor):
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._ranks.procs]
 
-    # ---- the Executor interface ------------------------------------------------------------
-    @property
-    def max_concurrent_batches(self) -> int:
-        return 2 if self._async_scheduling else 1
-
-    @property
-    def model_load_time_s(self) -> float:
-        return self._load_time_s
-
-    def determine_num_blocks(self) -> int:
-        return min(self._call_all("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("initialize_kv_cache", num_blocks)
-
-    def compile_or_warm_up_model(self) -> list[CompileEvent]:
-        return self._call_all("compile_or_warm_up_model")[0]
-
-    def compile_pending(self) -> list[CompileEvent]:
-        return self._call_all("compile_pending")[0]
-
+    # ---- the Executor interface (the rest: MultiRankExecutor) ----------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         future: LazyFuture = LazyFuture(self._wait_for)
         self._pending.append(future)

@@ -28,8 +28,8 @@ from typing import Any
 
 from axon.config import AxonConfig
 from axon.distributed.parallel_state import DistributedInit, shm_segment_bytes
-from axon.executor.abstract import Executor, LazyFuture, WorkerError, resolve_async_scheduling
-from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
+from axon.executor.abstract import LazyFuture, MultiRankExecutor, WorkerError, resolve_async_scheduling
+from axon.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class RankActor:
         return True
 
 
-class RayExecutor(Executor):
+class RayExecutor(MultiRankExecutor):
     def __init__(self, config: AxonConfig) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -167,27 +167,7 @@ class RayExecutor(Executor):
         )
         return max(load_times)
 
-    # ---- the Executor interface ------------------------------------------------------------
-    @property
-    def max_concurrent_batches(self) -> int:
-        return 2 if self._async_scheduling else 1
-
-    @property
-    def model_load_time_s(self) -> float:
-        return self._load_time_s
-
-    def determine_num_blocks(self) -> int:
-        return min(self._call_all("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("initialize_kv_cache", num_blocks)
-
-    def compile_or_warm_up_model(self) -> list[CompileEvent]:
-        return self._call_all("compile_or_warm_up_model")[0]
-
-    def compile_pending(self) -> list[CompileEvent]:
-        return self._call_all("compile_pending")[0]
-
+    # ---- the Executor interface (the rest: MultiRankExecutor) ----------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         self.check_health()
         refs = [actor.step.remote(scheduler_output, rank == 0) for rank, actor in enumerate(self._actors)]

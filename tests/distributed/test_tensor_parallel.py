@@ -9,10 +9,10 @@ slice of each checkpoint tensor; a rank that dies ends the engine with an error 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -28,16 +28,6 @@ from axon.model.loader import model_loader
 from axon.model.loader.model_loader import load_model
 from axon.model.loader.safetensors_loader import LazyTensor
 
-# The tiny models' sizes (tests/conftest.py's TINY_DIMS).
-TINY_DIMS = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 512,
-}
 PROMPTS = [[5, 17, 42, 9, 300, 12], [7, 7, 8, 120, 33, 2, 61, 90, 14, 250, 3, 44, 18, 19, 21, 99, 5, 6]]
 OPTIONS = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 4, "block_size": 16}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
@@ -64,28 +54,15 @@ def _assert_same(want, got) -> None:
                 assert g[token] == pytest.approx(logprob, abs=2e-5)
 
 
-def _save(folder: Path, config, smollm2_path: str) -> str:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder)
-    tf.AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "qwen3", "mistral"])
 def test_tp2_equals_tp1(tiny_model_dir, family: str) -> None:
     folder = tiny_model_dir(family)
     _assert_same(_run(folder), _run(folder, tensor_parallel_size=2))
 
 
-def test_tp2_with_one_kv_head_and_an_odd_vocabulary(tmp_path: Path, smollm2_path: str) -> None:
+def test_tp2_with_one_kv_head_and_an_odd_vocabulary(tiny_model_dir) -> None:
     """One KV head is replicated on both ranks; 509 rows split as 255 + 254 (the second padded)."""
-    import transformers as tf
-
-    config = tf.LlamaConfig(**{**TINY_DIMS, "num_key_value_heads": 1, "vocab_size": 509})
-    folder = _save(tmp_path / "mqa", config, smollm2_path)
+    folder = tiny_model_dir("llama_one_kv_head_odd_vocab")
     _assert_same(_run(folder), _run(folder, tensor_parallel_size=2))
 
 
@@ -133,6 +110,8 @@ def test_each_rank_reads_only_its_slice(tiny_model_dir, monkeypatch, rank: int) 
     monkeypatch.setattr(parallel_state, "_group", TensorParallelGroup(rank=rank, size=2))
     model = load_model(config, torch.float32, torch.device("cpu"), get_attention_backend("reference", None))
     full = load_file(os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json")) as f:
+        dims = json.load(f)
     params = dict(model.named_parameters())
     assert read_bytes and sum(read_bytes) == sum(p.numel() * p.element_size() for p in params.values())
     total = sum(t.numel() * t.element_size() for t in full.values())
@@ -140,7 +119,8 @@ def test_each_rank_reads_only_its_slice(tiny_model_dir, monkeypatch, rank: int) 
 
     layer = "model.layers.0"
     q, k, v = (full[f"{layer}.self_attn.{n}_proj.weight"] for n in "qkv")
-    heads_q, heads_kv, d = 2, 1, TINY_DIMS["hidden_size"] // TINY_DIMS["num_attention_heads"]
+    heads_q, heads_kv = dims["num_attention_heads"] // 2, dims["num_key_value_heads"] // 2
+    d = dims["hidden_size"] // dims["num_attention_heads"]
     want_qkv = torch.cat(
         [
             q[rank * heads_q * d : (rank + 1) * heads_q * d],
@@ -149,10 +129,10 @@ def test_each_rank_reads_only_its_slice(tiny_model_dir, monkeypatch, rank: int) 
         ]
     )
     assert torch.equal(params[f"{layer}.self_attn.qkv_proj.weight"], want_qkv)
-    width = TINY_DIMS["intermediate_size"] // 2
+    width = dims["intermediate_size"] // 2
     down = full[f"{layer}.mlp.down_proj.weight"][:, rank * width : (rank + 1) * width]
     assert torch.equal(params[f"{layer}.mlp.down_proj.weight"], down)
-    rows = TINY_DIMS["vocab_size"] // 2
+    rows = dims["vocab_size"] // 2
     embed = full["model.embed_tokens.weight"][rank * rows : (rank + 1) * rows]
     assert torch.equal(params["model.embed_tokens.weight"], embed)
     assert torch.equal(params["model.norm.weight"], full["model.norm.weight"])
