@@ -116,7 +116,7 @@ class _Ranks:
         self.check()
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self.commands:
-            sock.send(message, copy=False)
+            sock.send(message)
 
     def recv(self) -> tuple[int, Any] | None:
         """The next "ok" reply as (rank, result), or None after ``_POLL_S`` of silence; raises
