@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,10 @@ def init_tensor_parallel(
             timeout=_COLLECTIVE_TIMEOUT,
         )
     handle = None
-    if init.size > 1 and device.type == "cpu" and cpu_kernels and init.shm_path is not None:
+    # AXON_CPU_SHM_COLLECTIVES=0 keeps the CPU collectives on gloo (to compare, or to test the
+    # path CUDA and kernel-less CPUs take).
+    shm = os.environ.get("AXON_CPU_SHM_COLLECTIVES", "1") != "0"
+    if shm and init.size > 1 and device.type == "cpu" and cpu_kernels and init.shm_path is not None:
         handle = torch.ops.axon_cpu.shm_comm_open(init.shm_path, init.rank, init.size, init.shm_slot_bytes)
     _group = TensorParallelGroup(init.rank, init.size, handle)
     how = "shared memory" if handle is not None else backend
@@ -128,9 +132,9 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("axon::tp_all_gather", mutates_args=())
 def _dist_all_gather(x: torch.Tensor, world: int) -> torch.Tensor:
-    out = x.new_empty(world, *x.shape)
-    dist.all_gather_into_tensor(out, x.contiguous())
-    return out
+    out = x.new_empty(world * x.numel())  # gloo wants the ranks' tensors end to end, flat
+    dist.all_gather_into_tensor(out, x.contiguous().view(-1))
+    return out.view(world, *x.shape)
 
 
 @_dist_all_gather.register_fake

@@ -66,6 +66,20 @@ def test_tp2_with_one_kv_head_and_an_odd_vocabulary(tiny_model_dir) -> None:
     _assert_same(_run(folder), _run(folder, tensor_parallel_size=2))
 
 
+def test_tp2_over_gloo_equals_tp1(tiny_model_dir, monkeypatch) -> None:
+    """The collectives through torch.distributed (what CUDA and CPUs without axon's kernels
+    use) instead of shared memory: the same answers."""
+    monkeypatch.setenv("AXON_CPU_SHM_COLLECTIVES", "0")  # the worker processes inherit it
+    folder = tiny_model_dir("qwen2")
+    _assert_same(_run(folder), _run(folder, tensor_parallel_size=2))
+
+
+def test_tp2_with_async_scheduling_equals_tp1(tiny_model_dir) -> None:
+    """Step N+1 queued behind step N at the ranks reads the tokens step N sampled."""
+    folder = tiny_model_dir("llama")
+    _assert_same(_run(folder), _run(folder, tensor_parallel_size=2, async_scheduling=True))
+
+
 def test_tp2_compiled_buckets_equal_eager_tp1(tiny_model_dir) -> None:
     folder = tiny_model_dir("qwen3")
     compiled = {"enforce_eager": False, "bucket_compile": "warmup", "max_num_batched_tokens": 32}
