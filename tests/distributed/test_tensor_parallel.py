@@ -66,6 +66,23 @@ def test_tp2_with_one_kv_head_and_an_odd_vocabulary(tiny_model_dir) -> None:
     _assert_same(_run(folder), _run(folder, tensor_parallel_size=2))
 
 
+def test_tp2_random_sampling_equals_tp1(tiny_model_dir) -> None:
+    """Every rank samples for itself and feeds its own token to the next step: the ranks must
+    draw alike (same logits, same generators), seeded per request or from the engine's seed."""
+    folder = tiny_model_dir("llama")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=True, seed=7),
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),  # the engine's generator
+    ]
+    texts = {}
+    for tp in (1, 2):
+        llm = LLM(model=folder, tensor_parallel_size=tp, seed=3, **OPTIONS)
+        texts[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.llm_engine.engine_core.shutdown()
+    assert texts[2] == texts[1]
+
+
 def test_tp2_over_gloo_equals_tp1(tiny_model_dir, monkeypatch) -> None:
     """The collectives through torch.distributed (what CUDA and CPUs without axon's kernels
     use) instead of shared memory: the same answers."""
