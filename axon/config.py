@@ -114,7 +114,20 @@ class ParallelConfig:
     """Engine cores behind one API server, each with its own tensor-parallel group; requests go
     to the least loaded."""
     data_parallel_rank: int = 0
-    """This engine core's index among data_parallel_size (set per core by the front end)."""
+    """This engine core's global rank among data_parallel_size (set per core by axon serve)."""
+    data_parallel_size_local: int | None = None
+    """Engine cores on this host; the other data_parallel_size minus these run on other hosts
+    (axon serve --headless) and join the head at data_parallel_address. None: all of them. A
+    --headless host must give it."""
+    data_parallel_start_rank: int = 0
+    """The global rank of this host's first engine core: a --headless host runs ranks
+    start..start+data_parallel_size_local-1; the head's own are 0..data_parallel_size_local-1."""
+    data_parallel_address: str = "127.0.0.1"
+    """The head's IP address: it listens there for the engine cores of other hosts (and binds
+    their sockets there); a --headless host connects to it."""
+    data_parallel_rpc_port: int = 29550
+    """The head's TCP port on data_parallel_address where other hosts' engine cores join it
+    (vLLM's default)."""
     enable_expert_parallel: bool = False
     """Expert parallelism for MoE models: not implemented yet (an error if set)."""
     distributed_executor_backend: str | None = None
@@ -396,6 +409,7 @@ def validate_config(config: AxonConfig) -> None:
         value = getattr(p, name)
         need(isinstance(value, int) and value >= 1, name, value, "must be an integer of at least 1")
     need(p.pipeline_parallel_size == 1, "pipeline_parallel_size", p.pipeline_parallel_size, "must be 1")
+    _validate_data_parallel_hosts(p)
     need(
         0 <= p.data_parallel_rank < p.data_parallel_size,
         "data_parallel_rank",
@@ -436,6 +450,26 @@ def validate_config(config: AxonConfig) -> None:
         comp.linear_backend,
         f"must be one of {', '.join(LINEAR_BACKENDS)}",
     )
+
+
+def _validate_data_parallel_hosts(p: ParallelConfig) -> None:
+    """The split of data_parallel_size engine cores across hosts (axon serve --headless)."""
+    size, local, start = p.data_parallel_size, p.data_parallel_size_local, p.data_parallel_start_rank
+    if local is not None and not (isinstance(local, int) and 0 <= local <= size):
+        raise ValueError(
+            f"data_parallel_size_local must be in 0..{size} (data_parallel_size {size}), got {local!r}."
+        )
+    num_local = size if local is None else local
+    if not (isinstance(start, int) and 0 <= start and start + num_local <= size):
+        raise ValueError(
+            f"data_parallel_start_rank must put this host's engine cores (data_parallel_size_local "
+            f"{num_local}: ranks start..start+{num_local - 1}) within 0..{size - 1} "
+            f"(data_parallel_size {size}), got {start!r}."
+        )
+    if not p.data_parallel_address.strip():
+        raise ValueError("data_parallel_address must be the head's IP address, got ''.")
+    if not 1 <= p.data_parallel_rpc_port <= 65535:
+        raise ValueError(f"data_parallel_rpc_port must be in 1..65535, got {p.data_parallel_rpc_port!r}.")
 
 
 def _reject_not_implemented(config: AxonConfig) -> None:

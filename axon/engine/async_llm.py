@@ -11,12 +11,16 @@ to the least loaded core (``choose_engine``: fewest requests in flight, then low
 then lowest index); the front end remembers which core runs each child request, so aborts and
 stop-string aborts go there. The cores are one engine: if any of them dies, the whole engine is
 dead (every pending request fails, ``health_problem()`` names the core) and the others are
-stopped. Stat loggers get each core's reports with ``engine_idx`` = its index.
+stopped. Stat loggers get each core's reports with ``engine_idx`` = its index (global rank).
+With ``--data-parallel-size-local L`` < N, ranks L..N-1 run on other hosts (``axon serve
+--headless``) and join through ``dp_handshake.py``; once joined they are cores like the others.
 
 Liveness: a core sends a heartbeat every second from a thread of its own (``core_proc.py``).
 ``health_problem()`` names a dead core (DEAD received, or its process gone, checked directly so
 there is no window in which a dead engine looks alive) or a stalled one (nothing heard for
-``heartbeat_timeout_s``: the process is stopped or frozen). Shutdown never waits on a core:
+``heartbeat_timeout_s``: the process is stopped or frozen). A remote core has no process here:
+silence past ``heartbeat_timeout_s`` is its death, as is its host's report that it exited.
+Shutdown never waits on a core:
 SHUTDOWN is sent without blocking, the processes are joined together for a bounded time, then
 killed and reaped.
 """
@@ -38,6 +42,8 @@ from axon.config import AxonConfig
 from axon.engine.core_client import (
     EngineCoreHandle,
     EngineDeadError,
+    LocalEngineCore,
+    RemoteEngineCore,
     choose_engine,
     core_config,
 )
@@ -51,6 +57,7 @@ from axon.engine.core_proc import (
     decode_outputs,
     encode,
 )
+from axon.engine.dp_handshake import HandshakeServer
 from axon.engine.input_processor import InputProcessor, PromptType
 from axon.engine.output_processor import OutputProcessor, ParentRequest, PoolingRequest
 from axon.engine.pooling_inputs import PoolingInput, PoolingInputProcessor
@@ -93,12 +100,22 @@ class AsyncLLM:
         self._counter = itertools.count()
         self._ipc_dir = tempfile.mkdtemp(prefix="axon-ipc-")
         self._ctx = zmq.asyncio.Context()
-        num_engines = config.parallel_config.data_parallel_size
-        self.cores = [
-            EngineCoreHandle(self._ctx, core_config(config, i), i, num_engines, self._ipc_dir)
+        self.cores = self._make_cores(config)
+        remote = {core.index: core for core in self.cores if isinstance(core, RemoteEngineCore)}
+        self._handshake = HandshakeServer(self._ctx, config.parallel_config, remote) if remote else None
+        self._tasks: list[asyncio.Task[None]] = []  # output loops, the handshake server
+
+    def _make_cores(self, config: AxonConfig) -> list[EngineCoreHandle]:
+        """Ranks 0..L-1 (--data-parallel-size-local) run here, the others on other hosts."""
+        p = config.parallel_config
+        num_engines = p.data_parallel_size
+        num_local = num_engines if p.data_parallel_size_local is None else p.data_parallel_size_local
+        return [
+            LocalEngineCore(self._ctx, core_config(config, i), i, num_engines, self._ipc_dir)
+            if i < num_local
+            else RemoteEngineCore(self._ctx, core_config(config, i), i, num_engines)
             for i in range(num_engines)
         ]
-        self._output_tasks: list[asyncio.Task[None]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -107,29 +124,38 @@ class AsyncLLM:
 
     # ---- life cycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start every engine-core process and wait until each has loaded its model; the first
-        core that fails to start fails start-up with its error."""
+        """Start every local engine-core process, let the remote ones join, and wait until each
+        has loaded its model; the first core that fails to start fails start-up with its error."""
+        if self._handshake is not None:
+            self._handshake.bind()  # a port in use fails start-up before any core loads
         for core in self.cores:
             core.start()
-        waits = [asyncio.create_task(core.wait_ready()) for core in self.cores]
+        if self._handshake is not None:
+            self._tasks.append(asyncio.create_task(self._handshake.serve()))
+        waits = [asyncio.create_task(self._wait_ready(core)) for core in self.cores]
         try:
             await asyncio.gather(*waits)
         finally:
             for wait in waits:
                 wait.cancel()
+        self._tasks += [asyncio.create_task(self._output_loop(core)) for core in self.cores]
+
+    async def _wait_ready(self, core: EngineCoreHandle) -> None:
+        await core.wait_ready()
         if len(self.cores) > 1:
-            for core in self.cores:
-                logger.info("%s ready: pid %s, %d KV-cache blocks", core.name, core.pid, core.num_blocks)
-        self._output_tasks = [asyncio.create_task(self._output_loop(core)) for core in self.cores]
+            where = f" on {core.host}" if core.host is not None else ""
+            logger.info("%s ready: pid %s%s, %d KV-cache blocks", core.name, core.pid, where, core.num_blocks)
 
     async def shutdown(self) -> None:
         """Stop every core and reap its process, in bounded time whatever state it is in."""
-        for task in self._output_tasks:
+        for task in self._tasks:
             task.cancel()
         await self._stop_cores()
+        if self._handshake is not None:
+            self._handshake.close()
         for core in self.cores:
             core.close()
-        self._ctx.term()
+        self._ctx.term()  # waits for a remote core's SHUTDOWN to leave (bounded: its linger)
 
     async def _stop_cores(self) -> None:
         await asyncio.gather(*(core.stop(_SHUTDOWN_JOIN_S) for core in self.cores))
@@ -333,14 +359,16 @@ class AsyncLLM:
             queue.put_nowait(EngineDeadError(self.dead_error))
 
     async def watch_process(self) -> None:
-        """Turn a silent death of a core process (killed, crashed) into ``errored``; once dead
-        either way, stop the other cores and reap every process (a failed core exits right
-        after sending DEAD)."""
+        """Turn a silent death of a core (a local process killed or crashed; a remote core
+        reported gone by its host, or silent past the heartbeat timeout) into ``errored``; once
+        dead either way, stop the other cores and reap every local process (a failed core exits
+        right after sending DEAD)."""
         while not self.errored:
             await asyncio.sleep(0.5)
-            gone = next((core for core in self.cores if core.is_gone()), None)
-            if gone is not None:
+            deaths = ((core, core.death(self.heartbeat_timeout_s)) for core in self.cores)
+            dead = next(((core, why) for core, why in deaths if why is not None), None)
+            if dead is not None:
                 # Give a DEAD message already on the wire a moment to arrive first.
                 await asyncio.sleep(0.2)
-                self._die(gone.exit_message(), gone)
+                self._die(dead[1], dead[0])
         await self._stop_cores()

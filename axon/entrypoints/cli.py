@@ -319,24 +319,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from axon.entrypoints.openai.api_server import run_server
     from axon.entrypoints.openai.cli_args import load_chat_template, validate_server_args
 
-    configure_logging("api-server")  # before the model is located: a GGUF conversion logs
+    # Before the model is located: a GGUF conversion logs.
+    configure_logging("headless" if args.headless else "api-server")
     validate_server_args(args)
     load_chat_template(args.chat_template)  # a bad path fails here, before the model loads
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     names = args.served_model_name  # several names (nargs="+"); the config holds the first
     kwargs = {k: v for k, v in engine_kwargs(args).items() if k != "served_model_name"}
-    if "data_parallel_rank" in kwargs:
-        raise ValueError(
-            "--data-parallel-rank: axon serve numbers its --data-parallel-size engine cores itself; "
-            "multi-host data parallelism (vLLM's --data-parallel-rank with an external load "
-            "balancer) is not implemented"
-        )
+    _check_data_parallel_hosts(args.headless, kwargs)
     if names:
         kwargs["served_model_name"] = names[0]
     config = create_engine_config(model=args.model_tag or args.model, **kwargs)
+    if args.headless:
+        from axon.entrypoints.headless import run_headless
+
+        return run_headless(args, config)
     assert config.model_config.served_model_name is not None
     return run_server(args, config, names or [config.model_config.served_model_name])
+
+
+def _check_data_parallel_hosts(headless: bool, kwargs: dict[str, Any]) -> None:
+    """Which ranks this host runs: the head's are 0..L-1, a --headless host's S..S+L-1 (the
+    ranges themselves are checked with the config)."""
+    if "data_parallel_rank" in kwargs:
+        raise ValueError(
+            "--data-parallel-rank: axon serve numbers its engine cores itself (a host runs ranks "
+            "--data-parallel-start-rank onward, --data-parallel-size-local of them); one core per "
+            "process behind an external load balancer (vLLM's --data-parallel-rank) is not implemented"
+        )
+    if headless and kwargs.get("data_parallel_size_local") is None:
+        raise ValueError(
+            "--headless needs --data-parallel-size-local: how many engine cores this host runs "
+            "(ranks --data-parallel-start-rank onward)"
+        )
+    if headless and kwargs["data_parallel_size_local"] < 1:
+        raise ValueError(
+            f"--data-parallel-size-local must be at least 1 with --headless (a host that runs engine "
+            f"cores), got {kwargs['data_parallel_size_local']}"
+        )
+    if not headless and kwargs.get("data_parallel_start_rank", 0) != 0:
+        raise ValueError(
+            f"--data-parallel-start-rank {kwargs['data_parallel_start_rank']} applies to --headless "
+            "hosts: the head's own engine cores are ranks 0..L-1 (--data-parallel-size-local L)"
+        )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

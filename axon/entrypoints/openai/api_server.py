@@ -12,6 +12,10 @@ Life cycle:
                        with --data-parallel-size N, any one core's death is the engine's
     engine stalls   -> /health 503 (engine_stalled) while no heartbeat came for
                        --engine-heartbeat-timeout; 200 again if it resumes
+    multi-host      -> with --data-parallel-size-local L < --data-parallel-size N, /health
+                       answers 503 until ranks L..N-1 have joined from their hosts (axon serve
+                       --headless, axon/entrypoints/headless.py) and are ready; a remote core
+                       silent for --engine-heartbeat-timeout is dead (no process here to watch)
     second signal   -> exit at once (uvicorn's force exit), whatever is still draining
     engine fails to start -> the error is logged; exit 1
 """

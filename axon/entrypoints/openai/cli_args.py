@@ -51,7 +51,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_HEARTBEAT_TIMEOUT_S,
         metavar="SECONDS",
         help="/health answers 503 (engine_stalled) once the engine core has sent nothing, not even "
-        f"its 1 s heartbeat, for this long (default: {DEFAULT_HEARTBEAT_TIMEOUT_S:.0f})",
+        "its 1 s heartbeat, for this long; an engine core on another host is dead after this long, "
+        "and a --headless host stops once the head has not answered for this long "
+        f"(default: {DEFAULT_HEARTBEAT_TIMEOUT_S:.0f})",
+    )
+    g.add_argument(
+        "--headless",
+        action="store_true",
+        help="run engine cores only, no API server: --data-parallel-size-local of them, global "
+        "ranks --data-parallel-start-rank onward, which join the head (axon serve "
+        "--data-parallel-size N) at --data-parallel-address:--data-parallel-rpc-port",
     )
     g.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list")
     g.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list")
