@@ -116,13 +116,18 @@ class Worker:
         torch.manual_seed(config.model_config.seed)
         d = config.device_config
         p = config.parallel_config
+        num_local_cores = (
+            p.data_parallel_size if p.data_parallel_size_local is None else p.data_parallel_size_local
+        )
         cpu_kernels, self.thread_cpus = init_cpu_process(
             self.device,
             cache_root,
             d.num_threads,
             d.omp_threads_bind,
-            rank=p.data_parallel_rank * local_size + local_rank,
-            world=p.data_parallel_size * local_size,
+            # Among the engine cores of this host: ranks S..S+L-1 (data_parallel_start_rank,
+            # data_parallel_size_local; a headless host's are not the first N).
+            rank=(p.data_parallel_rank - p.data_parallel_start_rank) * local_size + local_rank,
+            world=num_local_cores * local_size,
         )
         if dist_init is not None:
             init_tensor_parallel(dist_init, self.device, cpu_kernels)

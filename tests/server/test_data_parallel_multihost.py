@@ -44,7 +44,6 @@ from axon.engine.dp_handshake import (
 )
 from axon.entrypoints.cli import EXIT_USAGE, main
 
-THREADS = ("--omp-threads-bind", "nobind", "--num-threads", "1")
 HEARTBEAT_TIMEOUT_S = 5.0
 PROMPTS = [
     "The quick brown fox",
@@ -66,7 +65,8 @@ PROMPTS = [
 ]
 
 
-def _dp_args(rpc_port: int) -> tuple[str, ...]:
+def _dp_args(rpc_port: int, cpu: int) -> tuple[str, ...]:
+    """The two "hosts" share this machine: each pins its one core to its own CPU."""
     return (
         "--data-parallel-size",
         "2",
@@ -76,17 +76,18 @@ def _dp_args(rpc_port: int) -> tuple[str, ...]:
         "127.0.0.1",
         "--data-parallel-rpc-port",
         str(rpc_port),
-        *THREADS,
+        "--omp-threads-bind",
+        str(cpu),
     )
 
 
 def _head(rpc_port: int, *extra: str) -> ServerProcess:
-    return ServerProcess(*_dp_args(rpc_port), *extra)
+    return ServerProcess(*_dp_args(rpc_port, 0), *extra)
 
 
 def _headless(rpc_port: int, start_rank: int = 1) -> ServerProcess:
     """``axon serve --headless`` (its --port, from ServerProcess, goes unused)."""
-    return ServerProcess("--headless", *_dp_args(rpc_port), "--data-parallel-start-rank", str(start_rank))
+    return ServerProcess("--headless", *_dp_args(rpc_port, 1), "--data-parallel-start-rank", str(start_rank))
 
 
 def _wait_for_log(proc: ServerProcess, pattern: str, timeout_s: float = 120.0) -> re.Match[str]:
