@@ -66,9 +66,13 @@ def test_every_option_has_one_owner_and_a_flag() -> None:
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"load_format": "pickle"}, "load_format"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer of at least 1"),
+        ({"data_parallel_size": 2, "data_parallel_rank": 2}, "data_parallel_rank must be in 0..1"),
         ({"speculative_config": "{not json"}, "speculative_config"),
-        ({"quantization": "nonsense"}, "quantization must be one of int8, int4, fp8, w8a8, gguf .* got 'nonsense'"),
+        (
+            {"quantization": "nonsense"},
+            "quantization must be one of int8, int4, fp8, w8a8, gguf .* got 'nonsense'",
+        ),
         ({"quantization": "int4", "quantization_group_size": 24}, "quantization_group_size .* got 24"),
         ({"quantization": "fp8", "quantization_group_size": 32}, "quantization_group_size applies only"),
         (

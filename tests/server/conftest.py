@@ -21,6 +21,25 @@ import pytest
 
 BASE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--dtype", "float32"]
 START_TIMEOUT_S = 120.0
+# Short completion prompts that several equality tests send at once.
+COMPLETION_PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time",
+    "In a galaxy far away",
+    "The best way to learn",
+    "My favourite food is",
+    "The weather today is",
+    "Python is a language that",
+    "The ocean is",
+    "A good friend is",
+    "The history of Rome",
+    "Mountains are",
+    "Coffee or tea:",
+    "The number seven",
+    "Music makes people",
+    "At the end of the day",
+    "Trains and planes",
+]
 
 
 def free_port() -> int:

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
+from conftest import COMPLETION_PROMPTS as PROMPTS
 from conftest import ServerProcess, serve_usage_error
 
 DP2 = ("--data-parallel-size", "2")
@@ -40,24 +41,6 @@ QUESTIONS = [
     "Name a famous painting.",
     "What is the opposite of cold?",
     "What colour is a ripe banana?",
-]
-PROMPTS = [
-    "The quick brown fox",
-    "Once upon a time",
-    "In a galaxy far away",
-    "The best way to learn",
-    "My favourite food is",
-    "The weather today is",
-    "Python is a language that",
-    "The ocean is",
-    "A good friend is",
-    "The history of Rome",
-    "Mountains are",
-    "Coffee or tea:",
-    "The number seven",
-    "Music makes people",
-    "At the end of the day",
-    "Trains and planes",
 ]
 MAX_TOKENS = 16
 

@@ -27,6 +27,7 @@ import httpx
 import msgspec
 import psutil
 import pytest
+from conftest import COMPLETION_PROMPTS as PROMPTS
 from conftest import ServerProcess, free_port, serve_usage_error
 
 from axon.config import ParallelConfig
@@ -45,24 +46,6 @@ from axon.engine.dp_handshake import (
 from axon.entrypoints.cli import EXIT_USAGE, main
 
 HEARTBEAT_TIMEOUT_S = 5.0
-PROMPTS = [
-    "The quick brown fox",
-    "Once upon a time",
-    "In a galaxy far away",
-    "The best way to learn",
-    "My favourite food is",
-    "The weather today is",
-    "Python is a language that",
-    "The ocean is",
-    "A good friend is",
-    "The history of Rome",
-    "Mountains are",
-    "Coffee or tea:",
-    "The number seven",
-    "Music makes people",
-    "At the end of the day",
-    "Trains and planes",
-]
 
 
 def _dp_args(rpc_port: int, cpu: int) -> tuple[str, ...]:
