@@ -89,3 +89,24 @@ def test_ray_tp2_equals_one_rank_and_a_dead_actor_ends_the_engine(ray_cluster: s
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 30
     llm.llm_engine.engine_core.shutdown()
+
+
+def test_axon_serve_on_the_ray_cluster(ray_cluster: str, tiny_model_dir) -> None:
+    """``axon serve --distributed-executor-backend ray`` through the official client: the ranks
+    are actors of the running cluster, and the text equals one rank's."""
+    from tests.server.conftest import ServerProcess
+
+    folder = tiny_model_dir("llama_full_vocab")
+    texts = []
+    for args in (("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"), ()):
+        server = ServerProcess(folder, *args, env={"RAY_ADDRESS": ray_cluster}).wait_ready()
+        try:
+            reply = server.client().completions.create(
+                model=folder, prompt="The capital of France is", max_tokens=12, temperature=0
+            )
+            texts.append(reply.choices[0].text)
+            if args:
+                assert "2 Ray actors ready" in server.log()
+        finally:
+            server.stop()
+    assert texts[0] == texts[1] and texts[0]
