@@ -5,6 +5,7 @@ that dies taking the server down with a 503 and a non-zero exit, never a hang.""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -89,3 +90,37 @@ def test_a_dead_rank_turns_health_503_and_the_server_exits_non_zero(tp_server: S
     assert tp_server.proc.wait(timeout=20) != 0
     log = tp_server.log()
     assert f"worker rank 1 (pid {pid}) exited with code -9" in log
+
+
+def test_two_engine_cores_of_two_ranks_each_answer_as_one_rank(tiny_model_dir) -> None:
+    """--data-parallel-size 2 --tensor-parallel-size 2: two engine cores, each with its own
+    group of two worker processes (four ranks sharing two cores, nobind)."""
+    folder = tiny_model_dir("llama_full_vocab")
+    prompts = [f"Story number {i}:" for i in range(6)]
+    texts = []
+    for args in (
+        ("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--omp-threads-bind", "nobind"),
+        (),
+    ):
+        server = ServerProcess(folder, *args).wait_ready(START_S)
+        try:
+            client = server.async_client()
+
+            async def ask(prompt: str, client=client) -> str:
+                reply = await client.completions.create(
+                    model=folder, prompt=prompt, max_tokens=8, temperature=0
+                )
+                return reply.choices[0].text
+
+            async def ask_all() -> list[str]:
+                return await asyncio.gather(*(ask(p) for p in prompts))
+
+            texts.append(asyncio.run(ask_all()))
+            if args:
+                assert server.log().count("2 worker processes ready") == 2
+                metrics = httpx.get(server.url + "/metrics").text
+                served = re.findall(r'vllm:request_success_total\{[^}]*engine="(\d)"[^}]*\} (\S+)', metrics)
+                assert {engine for engine, count in served if float(count) > 0} == {"0", "1"}
+        finally:
+            server.stop()
+    assert texts[0] == texts[1]
