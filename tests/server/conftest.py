@@ -93,6 +93,15 @@ class ServerProcess:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(f"{name} not on /metrics")
 
+    def successes_per_engine(self) -> dict[str, float]:
+        """engine label -> requests finished there (every finish reason), from /metrics."""
+        counts: dict[str, float] = {}
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith("vllm:request_success_total{"):
+                engine = line.split('engine="', 1)[1].split('"', 1)[0]
+                counts[engine] = counts.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+        return counts
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -83,15 +82,6 @@ def _all_at_once(server: ServerProcess) -> list[tuple[str, str]]:
         return [f.result() for f in chats + completions]
 
 
-def _successes_per_engine(server: ServerProcess) -> dict[str, float]:
-    """engine label -> requests finished there (every finish reason)."""
-    counts: dict[str, float] = defaultdict(float)
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            counts[re.search(r'engine="(\d+)"', line).group(1)] += float(line.rsplit(" ", 1)[1])
-    return dict(counts)
-
-
 def _core_pids(server: ServerProcess) -> dict[int, int]:
     """engine index -> the pid its READY reported (the server logs it with several cores)."""
     return {int(i): int(pid) for i, pid in re.findall(r"engine core (\d) ready: pid (\d+)", server.log())}
@@ -116,17 +106,17 @@ def test_32_concurrent_greedy_requests_get_the_tokens_one_core_gives(
 
 def test_both_cores_get_work_and_report_under_their_engine_label(servers: dict[str, ServerProcess]) -> None:
     server = servers["dp2"]
-    before = _successes_per_engine(server)
+    before = server.successes_per_engine()
     assert set(before) == {"0", "1"}
     with ThreadPoolExecutor(4) as pool:  # a burst of 4: two to each core while they overlap
         list(pool.map(lambda p: _complete(server, p), PROMPTS[:4]))
-    after = _successes_per_engine(server)
+    after = server.successes_per_engine()
     done = {engine: after[engine] - before[engine] for engine in after}
     assert done["0"] > 0 and done["1"] > 0 and sum(done.values()) == 4, done
     page = httpx.get(server.url + "/metrics").text
     blocks = dict(re.findall(r'vllm:cache_config_info\{.*engine="(\d)".*num_gpu_blocks="(\d+)"', page))
     assert set(blocks) == {"0", "1"} and all(int(n) > 0 for n in blocks.values())  # each core's own
-    assert len(_successes_per_engine(servers["dp1"])) == 1  # one core: engine="0" alone
+    assert len(servers["dp1"].successes_per_engine()) == 1  # one core: engine="0" alone
 
 
 def test_a_chat_without_max_tokens_stops_by_itself(servers: dict[str, ServerProcess]) -> None:

@@ -19,7 +19,6 @@ import re
 import signal
 import socket
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -126,14 +125,6 @@ def _chat(server: ServerProcess, question: str) -> tuple[str, str]:
     return reply.choices[0].message.content, reply.choices[0].finish_reason
 
 
-def _successes_per_engine(server: ServerProcess) -> dict[str, float]:
-    counts: dict[str, float] = defaultdict(float)
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            counts[re.search(r'engine="(\d+)"', line).group(1)] += float(line.rsplit(" ", 1)[1])
-    return dict(counts)
-
-
 def test_the_head_is_healthy_only_once_the_remote_core_joined(hosts: dict) -> None:
     head, headless = hosts["head"], hosts["headless"]
     assert hosts["health_alone"].status_code == 503
@@ -157,10 +148,10 @@ def test_16_concurrent_greedy_completions_get_the_tokens_one_core_gives(hosts: d
 
 def test_both_ranks_report_finished_requests_under_their_engine_label(hosts: dict) -> None:
     head = hosts["head"]
-    before = _successes_per_engine(head)
+    before = head.successes_per_engine()
     with ThreadPoolExecutor(4) as pool:  # a burst of 4: two to each core while they overlap
         list(pool.map(lambda p: _complete(head, p), PROMPTS[:4]))
-    after = _successes_per_engine(head)
+    after = head.successes_per_engine()
     assert set(after) == {"0", "1"}
     done = {engine: after[engine] - before.get(engine, 0.0) for engine in after}
     assert done["0"] > 0 and done["1"] > 0 and sum(done.values()) == 4, done
