@@ -116,7 +116,17 @@ class _Ranks:
         self.check()
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self.commands:
-            sock.send(message)
+            # Never a blocking send: a PUSH socket whose rank is gone blocks forever (the
+            # engine would hang, deaf even to SHUTDOWN). Wait for room in bounded polls, and
+            # check between them that every rank lives.
+            while True:
+                try:
+                    sock.send(message, flags=zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    sock.poll(int(_POLL_S * 1000), zmq.POLLOUT)
+                    self.note_deaths()
+                    self.check()
 
     def recv(self) -> tuple[int, Any] | None:
         """The next "ok" reply as (rank, result), or None after ``_POLL_S`` of silence; raises
@@ -213,6 +223,7 @@ class MultiprocExecutor(MultiRankExecutor):
         return future
 
     def check_health(self) -> None:
+        self._ranks.note_deaths()  # cheap (a waitpid per rank), and not only the watcher's word
         self._ranks.check()
 
     def shutdown(self) -> None:
