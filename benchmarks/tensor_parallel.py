@@ -62,12 +62,9 @@ def all_reduce_us(hidden: int, rows: int, iters: int = 2000) -> float:
     processes on CPUs 0 and 1."""
     import torch.multiprocessing as mp
 
-    from axon.distributed.parallel_state import shm_segment_bytes
-    from axon.executor.multiproc import SHM_SLOT_BYTES
+    from axon.distributed.parallel_state import create_shm_segment
 
-    path = f"/dev/shm/axon-bench-ar-{os.getpid()}"
-    with open(path, "wb") as f:
-        f.truncate(shm_segment_bytes(2, SHM_SLOT_BYTES))
+    path = create_shm_segment(2, "bench-all-reduce")
     result = mp.get_context("spawn").Queue()
     try:
         mp.spawn(_all_reduce_rank, args=(path, hidden, rows, iters, result), nprocs=2)
@@ -80,7 +77,7 @@ def _all_reduce_rank(rank: int, path: str, hidden: int, rows: int, iters: int, r
     import torch
 
     from axon.config import default_cache_root
-    from axon.executor.multiproc import SHM_SLOT_BYTES
+    from axon.distributed.parallel_state import SHM_SLOT_BYTES
     from axon.platforms.cpu_kernels import load_cpu_kernels
 
     os.sched_setaffinity(0, [rank])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -91,10 +92,23 @@ def destroy_tensor_parallel() -> None:
     _group = TensorParallelGroup()
 
 
+# A slot of the CPU communicator's segment: a bigger tensor goes through in chunks.
+SHM_SLOT_BYTES = 4 << 20
+
+
 def shm_segment_bytes(world: int, slot_bytes: int) -> int:
     """The size of the CPU communicator's segment (flags and two buffers of one slot per rank)."""
     flags = world * 64
     return flags + 2 * world * slot_bytes
+
+
+def create_shm_segment(world: int, name: str) -> str:
+    """A zero-filled segment for ``world`` ranks of ``SHM_SLOT_BYTES`` slots at
+    /dev/shm/axon-<name>-<random>; its path. The creator removes it once every rank mapped it."""
+    path = f"/dev/shm/axon-{name}-{uuid.uuid4().hex[:12]}"
+    with open(path, "wb") as f:
+        f.truncate(shm_segment_bytes(world, SHM_SLOT_BYTES))
+    return path
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ queue step N+1 behind step N (async scheduling). The ranks join a torch.distribu
 (axon/distributed/parallel_state.py).
 
 Failure is never a hang: a rank that raises sends its traceback and exits; a rank that dies is
-seen within ``_POLL_S`` by whoever is waiting for a reply, and by a watcher thread while the
-engine is idle (``check_health``). The engine then fails with the rank's error, and shutdown
+seen within ``_POLL_S`` by whoever is waiting for a reply, and by ``check_health`` (an exit-code
+check per rank, which the engine loop makes every turn, idle or not). The engine then fails with the rank's error, and shutdown
 kills the ranks still stuck in a collective. A rank dies with the engine-core process
 (PR_SET_PDEATHSIG), so a killed engine leaves no orphans.
 """
@@ -26,16 +26,13 @@ import contextlib
 import gc
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import shutil
 import signal
 import socket
 import tempfile
-import threading
 import traceback
-import uuid
 import weakref
 from collections import deque
 from concurrent.futures import Future
@@ -44,7 +41,7 @@ from typing import Any
 import zmq
 
 from axon.config import AxonConfig
-from axon.distributed.parallel_state import DistributedInit, shm_segment_bytes
+from axon.distributed.parallel_state import SHM_SLOT_BYTES, DistributedInit, create_shm_segment
 from axon.executor.abstract import LazyFuture, MultiRankExecutor, WorkerError, resolve_async_scheduling
 from axon.platforms.processes import die_with_parent
 from axon.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -55,26 +52,19 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.2  # how often a caller waiting for a reply checks that every rank is alive
 _STARTUP_TIMEOUT_S = 1800.0  # loading and compiling a large model on a busy host
 _SHUTDOWN_JOIN_S = 5.0
-# A slot of the CPU all-reduce's shared segment: a bigger tensor goes through in chunks.
-SHM_SLOT_BYTES = 4 << 20
 _STEP = "execute_model"
 
 
 class _Ranks:
     """The worker processes and the sockets to them. Apart from the executor, so that an engine
-    dropped without ``shutdown`` (an offline ``LLM`` deleted) stops its ranks when collected,
-    and the watcher thread keeps nothing alive."""
+    dropped without ``shutdown`` (an offline ``LLM`` deleted) stops its ranks when collected."""
 
     def __init__(self, config: AxonConfig, world: int) -> None:
         self.world = world
         self.stopping = False
         self.failure: str | None = None
         self.ipc_dir = tempfile.mkdtemp(prefix="axon-workers-")
-        self.shm_path: str | None = None
-        if world > 1:
-            self.shm_path = f"/dev/shm/axon-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            with open(self.shm_path, "wb") as f:
-                f.truncate(shm_segment_bytes(world, SHM_SLOT_BYTES))
+        self.shm_path = create_shm_segment(world, f"tp-{os.getpid()}") if world > 1 else None
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.ctx = zmq.Context()
         self.replies = self.ctx.socket(zmq.PULL)
@@ -102,11 +92,10 @@ class _Ranks:
             self.procs.append(proc)
 
     def started(self) -> None:
-        """Every rank has mapped the segment: its name is no longer needed. Watch the ranks."""
+        """Every rank has mapped the segment: its name is no longer needed."""
         if self.shm_path is not None:
             os.remove(self.shm_path)
             self.shm_path = None
-        threading.Thread(target=self.watch, name="axon-worker-watch", daemon=True).start()
 
     def check(self) -> None:
         if self.failure is not None:
@@ -164,11 +153,6 @@ class _Ranks:
                 self.failure = f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
                 logger.error("%s; the engine stops", self.failure)
 
-    def watch(self) -> None:
-        """Between steps nobody waits on the ranks: notice a death here (``check`` reports it)."""
-        multiprocessing.connection.wait([p.sentinel for p in self.procs])
-        self.note_deaths()
-
     def stop(self) -> None:
         if self.stopping:
             return
@@ -223,7 +207,7 @@ class MultiprocExecutor(MultiRankExecutor):
         return future
 
     def check_health(self) -> None:
-        self._ranks.note_deaths()  # cheap (a waitpid per rank), and not only the watcher's word
+        self._ranks.note_deaths()  # cheap: a waitpid per rank
         self._ranks.check()
 
     def shutdown(self) -> None:

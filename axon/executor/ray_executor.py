@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from axon.config import AxonConfig
-from axon.distributed.parallel_state import DistributedInit, shm_segment_bytes
+from axon.distributed.parallel_state import SHM_SLOT_BYTES, DistributedInit, create_shm_segment
 from axon.executor.abstract import LazyFuture, MultiRankExecutor, WorkerError, resolve_async_scheduling
 from axon.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -37,7 +37,6 @@ _CPUS_PER_RANK = 1
 _PLACEMENT_TIMEOUT_S = 60.0
 _POLL_S = 0.2
 _WATCH_INTERVAL_S = 1.0
-SHM_SLOT_BYTES = 4 << 20
 
 
 class RankActor:
@@ -58,10 +57,7 @@ class RankActor:
 
     def make_segment(self, world: int) -> str:
         """Create the shared-memory segment of the CPU all-reduce on this host (rank 0)."""
-        path = f"/dev/shm/axon-tp-ray-{uuid.uuid4().hex[:12]}"
-        with open(path, "wb") as f:
-            f.truncate(shm_segment_bytes(world, SHM_SLOT_BYTES))
-        return path
+        return create_shm_segment(world, "tp-ray")
 
     def start(self, dist_init: DistributedInit) -> float:
         from axon.startup import configure_logging
