@@ -73,23 +73,27 @@ class _Ranks:
         self.commands: list[zmq.Socket] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
         spawn = multiprocessing.get_context("spawn")
-        for rank in range(world):
-            sock = self.ctx.socket(zmq.PUSH)
-            command_addr = f"ipc://{os.path.join(self.ipc_dir, f'commands-{rank}')}"
-            sock.bind(command_addr)
-            self.commands.append(sock)
-            dist_init = DistributedInit(rank, world, init_method, self.shm_path, SHM_SLOT_BYTES)
-            proc = spawn.Process(
-                target=_worker_main,
-                args=(config, dist_init, command_addr, reply_addr, os.getpid()),
-                name=f"axon-worker-{rank}",
-                # Not daemonic: the engine core that starts them is a daemon itself, and a daemon
-                # may not have daemonic children. They stop with the executor (stop(), or its
-                # finalizer at exit) and die with the engine core (PR_SET_PDEATHSIG).
-                daemon=False,
-            )
-            proc.start()
-            self.procs.append(proc)
+        try:
+            for rank in range(world):
+                sock = self.ctx.socket(zmq.PUSH)
+                command_addr = f"ipc://{os.path.join(self.ipc_dir, f'commands-{rank}')}"
+                sock.bind(command_addr)
+                self.commands.append(sock)
+                dist_init = DistributedInit(rank, world, init_method, self.shm_path, SHM_SLOT_BYTES)
+                proc = spawn.Process(
+                    target=_worker_main,
+                    args=(config, dist_init, command_addr, reply_addr, os.getpid()),
+                    name=f"axon-worker-{rank}",
+                    # Not daemonic: they stop with the executor (stop(), or its finalizer at exit,
+                    # before multiprocessing would join them) and die with the engine core
+                    # (PR_SET_PDEATHSIG).
+                    daemon=False,
+                )
+                proc.start()
+                self.procs.append(proc)
+        except BaseException:  # no rank, socket or segment outlives a failed start
+            self.stop()
+            raise
 
     def started(self) -> None:
         """Every rank has mapped the segment: its name is no longer needed."""
