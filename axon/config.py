@@ -196,6 +196,10 @@ class StructuredOutputsConfig:
 class KVTransferConfig:
     kv_transfer_config: dict[str, Any] | None = None
     """Disaggregated prefill/decode, JSON (vLLM's keys): not implemented yet (an error if set)."""
+    kv_events_config: dict[str, Any] | None = None
+    """KV cache events for KV-aware routers, JSON (vLLM's keys): {"enable_kv_cache_events": true,
+    "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ""}; see
+    axon/kv_transfer/kv_events.py, which checks it."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,7 @@ _JSON_OPTIONS = {
     "speculative_config",
     "structured_outputs_config",
     "kv_transfer_config",
+    "kv_events_config",
     "additional_config",
     "pooler_config",
 }

@@ -12,6 +12,10 @@ Every non-null block is in exactly one of two states:
 
 A block carries a hash iff the hash map points to it: ``block.block_hash == h <=> map[h] is
 block``. Block 0 is the null block: never handed out, never freed, never in the queue.
+
+With KV cache events on (``enable_kv_cache_events``), every change of the hash map is recorded
+as it happens: a hash added (BlockStored), a hash dropped (BlockRemoved), the map emptied
+(AllBlocksCleared). Replaying them in order on a set gives exactly the map's keys.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from axon.core.kv_cache_utils import BlockHash
+from axon.kv_transfer.kv_events import KVCacheEvent, KVEventRecorder
 
 
 @dataclass(slots=True, eq=False)
@@ -126,6 +131,14 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         # One block per hash: a second block with the same content stays uncached.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Changes of the hash map since the last take_events(); None while events are off.
+        self.kv_events: KVEventRecorder | None = None
+
+    def enable_kv_cache_events(self, block_size: int) -> None:
+        self.kv_events = KVEventRecorder(block_size)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.kv_events.take() if self.kv_events is not None else []
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         if not self.enable_caching:
@@ -153,6 +166,8 @@ class BlockPool:
         )
         del self.cached_block_hash_to_block[block_hash]
         block.block_hash = None
+        if self.kv_events is not None:
+            self.kv_events.removed(block_hash)
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -172,11 +187,16 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        token_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> None:
         """Register blocks ``[num_cached_blocks, num_full_blocks)`` of a request under its hashes.
 
         blocks:  | cached earlier | newly full (registered here) | partial / not yet full |
                  0        num_cached_blocks             num_full_blocks
+
+        ``token_ids`` (the request's, at least up to ``num_full_blocks``) and ``cache_salt`` are
+        read only by KV cache events, which report what each block holds.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
@@ -184,6 +204,7 @@ class BlockPool:
             f"{num_full_blocks} full blocks but only {len(request_block_hashes)} hashes"
         )
         assert num_full_blocks <= len(blocks), f"{num_full_blocks} full blocks but only {len(blocks)} blocks"
+        registered: list[int] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             assert block.block_hash is None, f"{block} is already cached; a block is registered once"
@@ -194,6 +215,26 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            registered.append(i)
+        if self.kv_events is not None:
+            self._record_stored(request_block_hashes, registered, token_ids, cache_salt)
+
+    def _record_stored(
+        self,
+        request_block_hashes: Sequence[BlockHash],
+        registered: list[int],
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+    ) -> None:
+        """One BlockStored per run of consecutive registered blocks: a skipped duplicate ends a
+        run, so that each event's hashes chain on its parent and each hash is stored once."""
+        assert self.kv_events is not None
+        run_start = 0
+        for k in range(1, len(registered) + 1):
+            if k == len(registered) or registered[k] != registered[k - 1] + 1:
+                start, end = registered[run_start], registered[k - 1] + 1
+                self.kv_events.stored(request_block_hashes, start, end, token_ids, cache_salt)
+                run_start = k
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference to each block; those reaching 0 join the queue tail in this order.
@@ -224,6 +265,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block = {}
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True
 
     def get_num_free_blocks(self) -> int:

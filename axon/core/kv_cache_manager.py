@@ -25,11 +25,15 @@ A request's blocks cover its token regions like this (vLLM V1's layout):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from axon.core.block_pool import BlockPool, KVCacheBlock
 from axon.core.kv_cache_utils import cdiv
 from axon.core.request import Request
+from axon.kv_transfer.kv_events import KVCacheEvent
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -169,7 +173,12 @@ class KVCacheManager:
         if num_full_blocks <= num_cached_blocks:
             return
         self.block_pool.cache_full_blocks(
-            request.block_hashes, self.req_to_blocks[req_id], num_cached_blocks, num_full_blocks
+            request.block_hashes,
+            self.req_to_blocks[req_id],
+            num_cached_blocks,
+            num_full_blocks,
+            request.all_token_ids,
+            request.cache_salt,
         )
         self.num_cached_block[req_id] = num_full_blocks
 
@@ -196,6 +205,18 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def enable_kv_cache_events(self) -> None:
+        """Record every change of the prefix cache, for ``take_events`` (KV-aware routers)."""
+        if not self.enable_caching:
+            logger.warning(
+                "KV cache events are on but prefix caching is off: no block will be reported stored"
+            )
+        self.block_pool.enable_kv_cache_events(self.block_size)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix-cache changes since the last call, in order (none while events are off)."""
+        return self.block_pool.take_events()
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, [])]

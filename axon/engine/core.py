@@ -26,6 +26,7 @@ from axon.core.scheduler import Scheduler
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from axon.engine.tokenizer import get_tokenizer
 from axon.executor.abstract import Executor
+from axon.kv_transfer.kv_events import make_kv_event_publisher, parse_kv_events_config
 from axon.model.registry import is_encoder_only, resolve_model_class
 from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.spec_decode.config import parse_spec_decode_config
@@ -40,6 +41,8 @@ class EngineCore:
     def __init__(self, config: AxonConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
+        # Checked before anything loads: a bad --kv-events-config fails the start at once.
+        kv_events_config = parse_kv_events_config(config.kv_transfer_config.kv_events_config)
         m = config.model_config
         max_model_len = m.max_model_len
         assert max_model_len is not None, "resolve_config() sets max_model_len"
@@ -68,6 +71,11 @@ class EngineCore:
         self._unreported_compiles: list[CompileEvent] = self.executor.compile_or_warm_up_model()
         self.model_load_time_s = self.executor.model_load_time_s
         self.startup_time_s = time.perf_counter() - t0
+        self.kv_event_publisher = make_kv_event_publisher(
+            kv_events_config, config.parallel_config.data_parallel_rank
+        )
+        if self.kv_event_publisher.enabled:
+            self.scheduler.kv_cache_manager.enable_kv_cache_events()
         logger.info("engine core ready in %.1f s", self.startup_time_s)
         self._reported_startup = False
 
@@ -128,10 +136,17 @@ class EngineCore:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._publish_kv_events()
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         stats.bucket = runner_output.bucket
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
+
+    def _publish_kv_events(self) -> None:
+        """The prefix-cache changes of this step (and of the step scheduled ahead), as one batch."""
+        events = self.scheduler.kv_cache_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(events)
 
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
@@ -158,6 +173,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.kv_event_publisher.shutdown()
 
 
 def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

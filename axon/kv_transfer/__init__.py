@@ -1,0 +1,1 @@
+"""KV transfer: what leaves the engine about its KV cache (connectors, KV cache events)."""
