@@ -1,5 +1,6 @@
 """The ``axon`` command: ``axon serve [MODEL]``, ``axon generate PROMPT``, ``axon chat``,
-``axon bench serve`` and ``axon train-eagle3``, with vLLM's flag names.
+``axon bench serve``, ``axon router`` (a proxy for disaggregated prefill/decode or replicas) and
+``axon train-eagle3``, with vLLM's flag names.
 
 Engine flags are generated from the config tree (``axon/config.py``), so every option has one
 name everywhere: ``--max-model-len`` on the command line is ``max_model_len`` in ``LLM(...)``,
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     _add_chat_parser(sub)
     _add_serve_parser(sub)
+    _add_router_parser(sub)
     _add_train_eagle3_parser(sub)
     from axon.entrypoints.bench_serve import add_bench_parser
 
@@ -191,6 +193,49 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument("--model", default=None, help="the same as MODEL")
     add_server_args(serve)
     add_engine_args(serve, skip=frozenset({"served_model_name"}))
+
+
+def _add_router_parser(sub: Any) -> None:
+    from axon.entrypoints.router.policies import POLICIES
+
+    router = sub.add_parser(
+        "router",
+        help="an OpenAI-compatible proxy: disaggregated prefill/decode (--prefill, --decode; vLLM's "
+        "protocol) or plain replicas (--replica)",
+    )
+    router.add_argument("--host", default="0.0.0.0", help="(default: 0.0.0.0)")
+    router.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    role = router.add_argument_group("backends: http://HOST:PORT (or HOST:PORT), one or more each")
+    role.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill servers")
+    role.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode servers")
+    role.add_argument(
+        "--replica", nargs="+", default=[], metavar="URL", help="plain servers (no disaggregation)"
+    )
+    routing = router.add_argument_group("routing")
+    routing.add_argument(
+        "--policy",
+        default="round_robin",
+        choices=list(POLICIES),
+        help="; ".join(f"{name}: {text}" for name, text in POLICIES.items()) + " (default: round_robin)",
+    )
+    routing.add_argument(
+        "--kv-events",
+        nargs="+",
+        default=[],
+        metavar="ENDPOINT",
+        help="with --policy prefix: each --prefill (or --replica) server's KV events endpoint, in the "
+        "same order, e.g. tcp://HOST:5557 (its --kv-events-config endpoint)",
+    )
+    routing.add_argument(
+        "--block-size", type=int, default=16, help="the servers' KV block size, in tokens (default: 16)"
+    )
+    router.add_argument(
+        "--health-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how often each backend's /health is probed (default: 5)",
+    )
 
 
 def _add_train_eagle3_parser(sub: Any) -> None:
@@ -365,6 +410,25 @@ def _check_data_parallel_hosts(headless: bool, kwargs: dict[str, Any]) -> None:
         )
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from axon.entrypoints.router.config import RouterConfig, backend_url
+    from axon.entrypoints.router.proxy import run_router
+
+    config = RouterConfig(
+        prefill_urls=tuple(backend_url(u) for u in args.prefill),
+        decode_urls=tuple(backend_url(u) for u in args.decode),
+        replica_urls=tuple(backend_url(u) for u in args.replica),
+        policy=args.policy,
+        kv_events_endpoints=tuple(args.kv_events),
+        block_size=args.block_size,
+        health_interval_s=args.health_interval,
+        host=args.host,
+        port=args.port,
+    )
+    configure_logging("router")
+    return run_router(config)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from axon.entrypoints.bench_serve import run_bench
 
@@ -432,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         "chat": cmd_chat,
         "serve": cmd_serve,
         "bench": cmd_bench,
+        "router": cmd_router,
         "train-eagle3": cmd_train_eagle3,
     }
     try:
