@@ -574,11 +574,80 @@ def test_router_pages_and_unknown_paths(disagg_router: RouterProcess) -> None:
         assert f"axon_router:{name}" in page
 
 
-# ---- replicas: real axon serve processes ----------------------------------------------------
-
 MAX_TOKENS = 16
 QUESTIONS = ["What is the capital of France?", "Why is the sky blue?"]
 PROMPTS = ["The quick brown fox", "Once upon a time"]
+
+
+# ---- disaggregated: real axon serve processes -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def storage_1p1d(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[RouterProcess, list[ServerProcess]]]:
+    """A prefill and a decode server sharing KV through SharedStorageConnector (no NIXL needed),
+    behind a router."""
+    # The servers' half of disaggregation (axon/kv_transfer/) lands beside this test; until it
+    # does, axon serve refuses --kv-transfer-config and there is nothing to route to.
+    pytest.importorskip(
+        "axon.kv_transfer.shared_storage_connector", reason="no KV connectors in this tree yet"
+    )
+    extra = {"shared_storage_path": str(tmp_path_factory.mktemp("kv-store"))}
+    servers = [
+        ServerProcess(
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": "SharedStorageConnector",
+                    "kv_role": role,
+                    "kv_connector_extra_config": extra,
+                }
+            ),
+        )
+        for role in ("kv_producer", "kv_consumer")
+    ]
+    router = RouterProcess("--prefill", servers[0].url, "--decode", servers[1].url)
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield router.wait_ready(30), servers
+    finally:
+        router.stop()
+        for server in servers:
+            server.stop()
+
+
+def test_disaggregated_answers_equal_one_servers(storage_1p1d) -> None:
+    """Through the router the decode server loads each prompt's KV from the prefill server and
+    answers as one server answers alone (the prefill server without kv_transfer_params)."""
+    router, (prefill, decode) = storage_1p1d
+    model = prefill.client().models.list().data[0].id
+    # prompts of several full blocks: only full blocks travel, the rest is computed on the decode side
+    prompts = [
+        f"{p}, as the old story goes, in a small village by the sea where the fishermen" for p in PROMPTS
+    ]
+    loaded = decode.metric("vllm:shared_storage_bytes_transferred_count")
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    answers = {}
+    for server in (router, prefill):
+        client = server.client()
+        kwargs: dict[str, Any] = {"model": model, "temperature": 0, "max_tokens": MAX_TOKENS}
+        stream = client.completions.create(prompt=prompts[0], stream=True, **kwargs)
+        answers[server.url] = [
+            client.completions.create(prompt=prompts[1], **kwargs).choices[0].text,
+            "".join(c.choices[0].text for c in stream if c.choices),
+            client.chat.completions.create(messages=messages, **kwargs).choices[0].message.content,
+        ]
+    assert answers[router.url] == answers[prefill.url]
+    assert all(answers[router.url])
+    assert decode.metric("vllm:shared_storage_bytes_transferred_count") >= loaded + 3
+    assert router.samples("axon_router:fallbacks_total") == 0
+    assert router.samples("axon_router:requests_total", role="prefill") == 3
+    assert router.samples("axon_router:requests_total", role="decode") == 3
+
+
+# ---- replicas: real axon serve processes ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -751,7 +820,7 @@ def test_a_killed_replica_loses_no_request(router, replicas, model) -> None:
     prompts = [f"{p} number {i}" for i in range(2) for p in PROMPTS]
     kwargs: dict[str, Any] = {
         "model": model,
-        "max_tokens": 32,
+        "max_tokens": 48,
         "temperature": 0,
         "extra_body": {"ignore_eos": True},
     }
