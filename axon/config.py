@@ -195,7 +195,10 @@ class StructuredOutputsConfig:
 @dataclass(frozen=True)
 class KVTransferConfig:
     kv_transfer_config: dict[str, Any] | None = None
-    """Disaggregated prefill/decode, JSON (vLLM's keys): not implemented yet (an error if set)."""
+    """Disaggregated prefill/decode, JSON (vLLM's keys): {"kv_connector": "NixlConnector"|
+    "SharedStorageConnector", "kv_role": "kv_producer"|"kv_consumer"|"kv_both",
+    "kv_load_failure_policy": "recompute"|"fail", "kv_connector_extra_config": {...}}; see
+    axon/kv_transfer/config.py, which checks it."""
     kv_events_config: dict[str, Any] | None = None
     """KV cache events for KV-aware routers, JSON (vLLM's keys): {"enable_kv_cache_events": true,
     "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ""}; see
@@ -237,7 +240,7 @@ class AxonConfig:
 _RESOLVED_ONLY = {"model_path", "hf_config", "gguf_file"}
 # vLLM options whose feature is not built yet: named so that their flags parse and `--help` lists
 # them, and refused when set (silently ignoring them would give users something they did not ask for).
-NOT_IMPLEMENTED_OPTIONS = ("kv_transfer_config", "enable_expert_parallel")
+NOT_IMPLEMENTED_OPTIONS = ("enable_expert_parallel",)
 # Options that parse from JSON strings when given as text (CLI flags).
 _JSON_OPTIONS = {
     "speculative_config",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -41,6 +42,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Disaggregated serving: a prefill server's answer, where a decode server loads the KV from.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -171,6 +171,9 @@ class SamplingParams:
     detokenize: bool = True
     # JSON schema, regex, choice, grammar or structural tag the output must match.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's extra arguments for connectors and plugins; axon reads "kv_transfer_params"
+    # (disaggregated prefill/decode, axon/kv_transfer/).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:

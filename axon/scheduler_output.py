@@ -67,6 +67,8 @@ class SchedulerOutput:
     # scheduled tokens), and how many tokens each request that samples should draft next.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_draft_tokens: int = 0
+    # The KV connector's work for this step (axon/kv_transfer/base.py: KVConnectorMetadata).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -114,6 +116,8 @@ class ModelRunnerOutput:
     # Speculative decoding: req_id -> the tokens drafted for the next step (absent: none);
     # sampled_token_ids then holds a request's accepted drafts and one token more.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # What the KV connector finished (axon/kv_transfer/base.py: KVConnectorOutput); None: no connector.
+    kv_connector_output: Any = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

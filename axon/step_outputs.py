@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from axon.scheduler_output import BucketStep, CompileEvent, LogprobsLists
@@ -18,6 +20,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     first_scheduled_time: float = 0.0
     # A pooling request's vector, sent once with its finish (finish_reason "stop").
     pooled: list[float] | None = None
+    # Disaggregated serving: where a decode server loads this request's KV from (sent once,
+    # with its finish, by a prefill server).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -67,6 +72,40 @@ class SpecDecodingStats(msgspec.Struct):
         return out
 
 
+class KVTransferStats(msgspec.Struct):
+    """KV connector transfers since the last report (they reach the front end's metrics)."""
+
+    num_failed_transfers: int = 0
+    num_expired: int = 0  # producer: requests whose blocks nobody read in time
+    seconds: list[float] = []  # one duration per finished transfer
+    bytes_per_transfer: list[int] = []  # aligned with seconds
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self.seconds)
+
+    def observe(self, num_bytes: int, seconds: float) -> None:
+        self.seconds.append(seconds)
+        self.bytes_per_transfer.append(num_bytes)
+
+    def add(self, other: KVTransferStats) -> None:
+        self.num_failed_transfers += other.num_failed_transfers
+        self.num_expired += other.num_expired
+        self.seconds.extend(other.seconds)
+        self.bytes_per_transfer.extend(other.bytes_per_transfer)
+
+    def take(self) -> KVTransferStats | None:
+        """These counts (None if nothing happened), and start counting afresh."""
+        if not (self.seconds or self.num_failed_transfers or self.num_expired):
+            return None
+        out = KVTransferStats(
+            self.num_failed_transfers, self.num_expired, self.seconds, self.bytes_per_transfer
+        )
+        self.num_failed_transfers = self.num_expired = 0
+        self.seconds, self.bytes_per_transfer = [], []
+        return out
+
+
 class SchedulerStats(msgspec.Struct):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -82,3 +121,4 @@ class SchedulerStats(msgspec.Struct):
     compiles: list[CompileEvent] = []
     model_load_time_s: float | None = None
     startup_time_s: float | None = None
+    kv_transfer: KVTransferStats | None = None  # KV connector transfers since the last report

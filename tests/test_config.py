@@ -121,7 +121,6 @@ def test_a_checkpoint_quantized_in_another_format_is_refused_by_name(tmp_path, s
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("kv_transfer_config", {"kv_connector": "NixlConnector", "kv_role": "kv_both"}),
         ("enable_expert_parallel", True),
     ],
 )
@@ -133,14 +132,13 @@ def test_options_not_implemented_yet_are_refused(name: str, value: object) -> No
 def test_llm_refuses_an_option_not_implemented_yet() -> None:
     from axon import LLM
 
-    with pytest.raises(ValueError, match="kv_transfer_config is not implemented yet"):
-        LLM(kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="enable_expert_parallel is not implemented yet"):
+        LLM(enable_expert_parallel=True)
 
 
 @pytest.mark.parametrize(
     ("flags", "name"),
     [
-        (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "kv_transfer_config"),
         (["--enable-expert-parallel"], "enable_expert_parallel"),
     ],
 )

@@ -109,6 +109,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Give the request blocks for all tokens up to the end of this step, and for
         ``num_lookahead_tokens`` more (the KV a draft model writes for its drafts).
@@ -155,7 +156,8 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         req_blocks.extend(new_blocks)
 
-        self._cache_blocks(request, num_required_tokens)
+        if not delay_cache_blocks:  # a KV connector's load caches them once it has ended
+            self._cache_blocks(request, num_required_tokens)
         return new_blocks
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -181,6 +183,11 @@ class KVCacheManager:
             request.cache_salt,
         )
         self.num_cached_block[req_id] = num_full_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once ``num_tokens`` tokens are computed
+        (after a KV connector loaded them: ``allocate_slots(..., delay_cache_blocks=True)``)."""
+        self._cache_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its least shared blocks are evicted first."""

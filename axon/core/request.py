@@ -5,6 +5,8 @@ with ``num_tokens`` (prompt + generated). Prefill, segmented prefill, prefix-cac
 resumption after preemption all follow from it.
 
     WAITING_FOR_FSM ──grammar compiled──> WAITING   (structured outputs only)
+    WAITING ──admitted, KV to load──> WAITING_FOR_REMOTE_KVS ──loaded/failed──> WAITING
+                                                               (disaggregated decode only)
     WAITING ──schedule──> RUNNING ──stop/length/abort──> FINISHED_*
        ^                     │
        └────PREEMPTED <──────┘   (blocks freed, num_computed_tokens = 0, recomputed later)
@@ -24,6 +26,7 @@ from axon.sampling_params import EngineSamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()  # structured output: its grammar is compiling
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # holds blocks that a KV connector is loading
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
@@ -31,6 +34,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # its KV could not be loaded (kv_load_failure_policy "fail")
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -46,6 +50,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 # Legal moves of the status machine; anything else is a bug.
@@ -53,8 +58,14 @@ _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
     RequestStatus.WAITING_FOR_FSM: {RequestStatus.WAITING, RequestStatus.FINISHED_ABORTED},
     RequestStatus.WAITING: {
         RequestStatus.RUNNING,
+        RequestStatus.WAITING_FOR_REMOTE_KVS,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_IGNORED,
+    },
+    RequestStatus.WAITING_FOR_REMOTE_KVS: {
+        RequestStatus.WAITING,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
     },
     RequestStatus.PREEMPTED: {
         RequestStatus.RUNNING,
@@ -83,6 +94,7 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
         pooling_params: EnginePoolingParams | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert (sampling_params is None) != (pooling_params is None), "one of sampling or pooling"
@@ -94,6 +106,10 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        # Disaggregated serving (vLLM's protocol): do_remote_decode asks this server to keep the
+        # prompt's KV for a decode server; do_remote_prefill says where to load it from.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_load_failed = False  # a connector's load failed once: never try it again
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []

@@ -25,6 +25,15 @@ positions it drafts, so its requests get ``num_lookahead_tokens`` slots beyond t
 the step's output comes, the rejected drafts are rolled back (``num_computed_tokens``) and the
 blocks that held only them are released. ``DraftPolicy`` picks how many to draft per step.
 
+Disaggregated serving (``kv_connector``, axon/kv_transfer/base.py): a request whose prompt KV
+another server holds is admitted like any other, but its blocks are first filled by the
+connector: it waits in ``waiting_for_remote_kv`` (status WAITING_FOR_REMOTE_KVS, holding its
+blocks and a place in the running cap) until the worker reports the load, then returns to the
+head of the queue with every prompt token but the last computed. A failed load recomputes the
+prompt (``kv_load_failure_policy`` "recompute") or fails the request ("fail"). A finished
+request that a decode server will read keeps its blocks (``sending``) until the connector says
+they were read, or its wait timed out.
+
 Async scheduling: the engine may schedule step N+1 before step N's sampled tokens are known.
 Every request that samples in a step carries a placeholder for that token
 (``num_output_placeholders``) until ``update_from_output`` brings it, and is scheduled one token
@@ -44,6 +53,7 @@ from axon.config import CacheConfig, SchedulerConfig
 from axon.core.kv_cache_manager import KVCacheManager
 from axon.core.kv_cache_utils import max_concurrency
 from axon.core.request import Request, RequestStatus
+from axon.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVTransferStats
 from axon.scheduler_output import (
     CachedRequestData,
     GrammarOutput,
@@ -68,6 +78,8 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         encoder_only: bool = False,
         spec_config: SpecDecodeConfig | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
         assert scheduler_config.max_num_batched_tokens is not None, (
             "resolve_config sets max_num_batched_tokens"
@@ -101,6 +113,19 @@ class Scheduler:
         self.num_lookahead_tokens = 0  # this step's drafts per request (the policy's choice)
         self.spec_stats = SpecDecodingStats()  # since the last report
         self.spec_totals = SpecDecodingStats()  # since start-up
+        self.connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.block_ids_of = self.kv_cache_manager.get_block_ids
+        self.waiting_for_remote_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, admission order
+        self.finished_recving: set[str] = set()  # loads the worker reported, not yet applied
+        self.failed_recving: set[str] = set()
+        # Finished requests whose blocks a remote reader still needs (freed when it is done), and
+        # aborted ones whose blocks a load is still writing (freed when the load ends).
+        self.sending: dict[str, Request] = {}
+        self.aborted_recving: dict[str, Request] = {}
+        self.kv_transfer_stats = KVTransferStats()  # since the last report
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.failed_requests: list[Request] = []  # failed loads under "fail", reported next step
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -124,6 +149,15 @@ class Scheduler:
                 self.running.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_FSM:
                 del self.waiting_for_grammar[req_id]
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # A load may still be writing its blocks: they are freed when it ends.
+                del self.waiting_for_remote_kv[req_id]
+                req.set_status(status)
+                self.aborted_recving[req_id] = req
+                self.finished_req_ids.add(req_id)
+                del self.requests[req_id]
+                finished.append(req)
+                continue
             else:
                 self.waiting.remove(req)
             req.set_status(status)
@@ -132,10 +166,20 @@ class Scheduler:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_grammar)
+        return bool(self.waiting or self.running or self.waiting_for_grammar or self.waiting_for_remote_kv)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar)
+        return (
+            len(self.waiting)
+            + len(self.running)
+            + len(self.waiting_for_grammar)
+            + len(self.waiting_for_remote_kv)
+        )
+
+    def has_pending_transfers(self) -> bool:
+        """Blocks that a KV connector is loading or that a remote server has yet to read: the
+        engine keeps stepping (the worker polls the transfers) until they are settled."""
+        return bool(self.waiting_for_remote_kv or self.sending or self.aborted_recving)
 
     # ---- the step --------------------------------------------------------------------------
     def can_schedule_ahead(self) -> bool:
@@ -156,6 +200,7 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
 
         self._promote_ready_grammars()
+        self._promote_loaded_requests()
         if self.draft_policy is not None:
             # the batch the coming decode steps hold: who runs plus who is admitted, up to max_num_seqs
             batch = min(len(self.running) + len(self.waiting), self.max_running)
@@ -183,6 +228,8 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             num_draft_tokens=self.num_lookahead_tokens,
         )
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self.finished_req_ids = set()
         return out
 
@@ -242,13 +289,20 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
     ) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.waiting_for_remote_kv) < self.max_running
+        ):
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: resumable once it arrives
             hit_blocks, num_hit_tokens = [], 0
-            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit_tokens, budget)
+            if req.num_computed_tokens == 0:  # else: a loaded request, its blocks in hand
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
+                if self._start_remote_load(req, hit_blocks, num_hit_tokens):
+                    continue
+            n = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
             if self.encoder_only and n < req.num_tokens:
                 # An encoder attends over the whole prompt at once: it waits for a step with
                 # room, and one longer than the whole budget runs in a step of its own.
@@ -256,7 +310,9 @@ class Scheduler:
                     break
                 n = req.num_tokens
             lookahead = (
-                self._lookahead(req, num_hit_tokens + n) if n == req.num_tokens - num_hit_tokens else 0
+                self._lookahead(req, num_hit_tokens + n)
+                if n == req.num_tokens - req.num_computed_tokens - num_hit_tokens
+                else 0
             )
             new_blocks = self.kv_cache_manager.allocate_slots(
                 req, n, num_hit_tokens, hit_blocks, num_lookahead_tokens=lookahead
@@ -266,9 +322,9 @@ class Scheduler:
             self.waiting.popleft()
             req.set_status(RequestStatus.RUNNING)
             self.running.append(req)
-            req.num_computed_tokens = num_hit_tokens
+            req.num_computed_tokens += num_hit_tokens
             if req.num_cached_tokens < 0:  # first admission (not a resumption)
-                req.num_cached_tokens = num_hit_tokens
+                req.num_cached_tokens = req.num_computed_tokens  # local hits and loaded tokens
                 req.first_scheduled_time = time.time()
             new_reqs.append(
                 NewRequestData(
@@ -277,12 +333,86 @@ class Scheduler:
                     output_token_ids=list(req.output_token_ids),
                     sampling_params=req.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(req.req_id),
-                    num_computed_tokens=num_hit_tokens,
+                    num_computed_tokens=req.num_computed_tokens,
                     pooling_params=req.pooling_params,
                 )
             )
             num_scheduled[req.req_id] = n
             budget -= n
+
+    def _start_remote_load(self, req: Request, hit_blocks: list, num_hit_tokens: int) -> bool:
+        """If the connector can load part of the prompt: give the request blocks for its local
+        hits and the loaded tokens, hand them to the connector, and park it until the load
+        ends. False: nothing to load, admit it as usual (also when the blocks are short)."""
+        if self.connector is None or req.is_pooling or req.wants_prompt_logprobs or req.kv_load_failed:
+            return False
+        num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
+        if num_external <= 0:
+            return False
+        assert load_async, "axon's connectors load asynchronously"
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            req, num_external, num_hit_tokens, hit_blocks, delay_cache_blocks=True
+        )
+        if new_blocks is None:
+            return False  # no room for the load now: admission waits as for any request
+        self.waiting.popleft()
+        req.set_status(RequestStatus.WAITING_FOR_REMOTE_KVS)
+        req.num_computed_tokens = num_hit_tokens  # the load's tokens count once it has ended
+        self.waiting_for_remote_kv[req.req_id] = req
+        self.connector.update_state_after_alloc(
+            req, self.kv_cache_manager.get_block_ids(req.req_id), num_external
+        )
+        return True
+
+    def _promote_loaded_requests(self) -> None:
+        """Requests whose load ended go back to the head of the queue, in admission order:
+        loaded, with every prompt token but the last computed (its logits are computed here);
+        failed, recomputing the prompt or failing (``kv_load_failure_policy``)."""
+        done = [r for r in self.waiting_for_remote_kv.values() if r.req_id in self.finished_recving]
+        for req in reversed(done):
+            del self.waiting_for_remote_kv[req.req_id]
+            self.finished_recving.discard(req.req_id)
+            if req.req_id in self.failed_recving:
+                self.failed_recving.discard(req.req_id)
+                self.kv_cache_manager.free(req)
+                req.num_computed_tokens = 0
+                # "fail" is for requests sent here to decode only; one that merely found its
+                # prompt at the connector (shared storage, by content) just computes it.
+                asked = (req.kv_transfer_params or {}).get("do_remote_prefill")
+                req.kv_transfer_params = None
+                req.kv_load_failed = True  # recomputed here (the source may still look valid)
+                if self.kv_load_failure_policy == "fail" and asked:
+                    req.set_status(RequestStatus.FINISHED_ERROR)
+                    self.failed_requests.append(req)
+                    self.finished_req_ids.add(req.req_id)
+                    del self.requests[req.req_id]
+                    continue
+                req.set_status(RequestStatus.WAITING)
+            else:
+                req.set_status(RequestStatus.WAITING)
+                num_blocks = self.kv_cache_manager.get_num_blocks(req.req_id)
+                req.num_computed_tokens = min(num_blocks * self.block_size, req.num_tokens - 1)
+                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            self.waiting.appendleft(req)
+        # Loads of aborted requests: their blocks are free to reuse now.
+        for req_id in list(self.aborted_recving):
+            if req_id in self.finished_recving:
+                self.finished_recving.discard(req_id)
+                self.failed_recving.discard(req_id)
+                self.kv_cache_manager.free(self.aborted_recving.pop(req_id))
+
+    def _update_from_connector(self, output: KVConnectorOutput | None) -> None:
+        if output is None or self.connector is None:
+            return
+        self.connector.update_connector_output(output)
+        self.finished_recving |= output.finished_recving
+        self.failed_recving |= output.failed_recving
+        for req_id in output.finished_sending:
+            req = self.sending.pop(req_id, None)
+            if req is not None:
+                self.kv_cache_manager.free(req)
+        if output.stats is not None:
+            self.kv_transfer_stats.add(output.stats)
 
     def _preempt(self, req: Request) -> None:
         """Recompute-preemption: drop the KV, keep the tokens, go back to the queue's head."""
@@ -299,6 +429,10 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        self._update_from_connector(runner_output.kv_connector_output)
+        for req in self.failed_requests:
+            outputs.append(self._output_of(req, [], None, None))
+        self.failed_requests = []
         for req_id, pooled in runner_output.pooler_output.items():
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -337,7 +471,7 @@ class Scheduler:
             if req.is_finished():
                 # Running, or preempted by a step scheduled ahead while its token was in flight.
                 (self.running if req in self.running else self.waiting).remove(req)
-                self._free(req)
+                outputs[-1].kv_transfer_params = self._free(req)
             elif req.status == RequestStatus.RUNNING:
                 req.spec_token_ids = self._usable_drafts(req, runner_output.spec_token_ids.get(req_id))
         return outputs
@@ -434,10 +568,21 @@ class Scheduler:
         req.set_status(RequestStatus.FINISHED_STOPPED if terminated else RequestStatus.FINISHED_ABORTED)
         return True
 
-    def _free(self, req: Request) -> None:
-        self.kv_cache_manager.free(req)
+    def _free(self, req: Request) -> dict | None:
+        """Release a finished request; returns the kv_transfer_params its client gets (a
+        request a decode server will read keeps its blocks until then)."""
+        delay, params = False, None
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(
+                req, self.kv_cache_manager.get_block_ids(req.req_id)
+            )
+        if delay:
+            self.sending[req.req_id] = req
+        else:
+            self.kv_cache_manager.free(req)
         self.finished_req_ids.add(req.req_id)
         del self.requests[req.req_id]
+        return params
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
@@ -449,4 +594,5 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec_stats.take() if self.draft_policy is not None else None,
+            kv_transfer=self.kv_transfer_stats.take(),
         )

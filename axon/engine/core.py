@@ -23,9 +23,11 @@ from axon.config import AxonConfig
 from axon.core.kv_cache_utils import cdiv, make_block_hasher
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
-from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from axon.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from axon.engine.tokenizer import get_tokenizer
 from axon.executor.abstract import Executor
+from axon.kv_transfer.config import parse_kv_transfer_config
+from axon.kv_transfer.factory import make_scheduler_connector
 from axon.kv_transfer.kv_events import make_kv_event_publisher, parse_kv_events_config
 from axon.model.registry import is_encoder_only, resolve_model_class
 from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
@@ -63,6 +65,7 @@ class EngineCore:
                 resolve_model_class((m.hf_config or {}).get("architectures"), m.runner)
             ),
             spec_config=parse_spec_decode_config(config.speculative_config.speculative_config),
+            **_kv_connector_args(config),
         )
         self.block_hasher = make_block_hasher(config.cache_config.block_size)
         self.async_scheduling = self.executor.max_concurrent_batches > 1
@@ -90,6 +93,7 @@ class EngineCore:
                 cache_salt=request.cache_salt,
                 block_hasher=self.block_hasher,
                 pooling_params=request.pooling_params,
+                kv_transfer_params=request.kv_transfer_params,
             )
         )
 
@@ -97,22 +101,37 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Requests to run, a step in flight, or KV transfers to settle (the steps poll them)."""
+        s = self.scheduler
+        return s.has_unfinished_requests() or self._in_flight is not None or s.has_pending_transfers()
 
     def step(self) -> EngineCoreOutputs:
         if self._in_flight is None:
-            if not self.scheduler.has_unfinished_requests():
+            if not self.has_unfinished_requests():
                 return EngineCoreOutputs(outputs=[])
             self._in_flight = self._execute(self._schedule())
         scheduler_output, future = self._in_flight
         self._in_flight = None
         if self.async_scheduling:
             self._schedule_ahead()
-        return self._finish(scheduler_output, future.result())
+        runner_output = future.result()
+        transfers = runner_output.kv_connector_output
+        if scheduler_output.is_empty and (transfers is None or transfers.is_empty):
+            # Only KV transfers to wait on, and none moved: a pause, not a spin, and no report
+            # unless a request ended (a failed load under kv_load_failure_policy "fail").
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            if not outputs:
+                time.sleep(_TRANSFER_POLL_S)
+                return EngineCoreOutputs(outputs=[])
+            return self._finish(scheduler_output, runner_output, outputs)
+        return self._finish(scheduler_output, runner_output)
 
     def _schedule(self) -> SchedulerOutput:
+        # A step may be empty while KV transfers settle, and may settle the last of them
+        # (an aborted request's load ended: its blocks are freed, nothing is left to run).
+        settling = self.scheduler.has_pending_transfers()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
+        if scheduler_output.is_empty and not (settling or self.scheduler.has_pending_transfers()):
             raise RuntimeError(
                 f"scheduler made no progress with {self.scheduler.get_num_unfinished_requests()} "
                 "unfinished requests (a bug: admission should always allow one)"
@@ -127,15 +146,20 @@ class EngineCore:
         if not (self.scheduler.has_unfinished_requests() and self.scheduler.can_schedule_ahead()):
             return
         ahead = self.scheduler.schedule()
-        if ahead.is_empty:  # every running request's next token is in flight and its last
+        if ahead.is_empty and ahead.kv_connector_metadata is None:
+            # every running request's next token is in flight and its last
             self.scheduler.finished_req_ids |= ahead.finished_req_ids
         else:
             self._in_flight = self._execute(ahead)
 
     def _finish(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        outputs: list[EngineCoreOutput] | None = None,
     ) -> EngineCoreOutputs:
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if outputs is None:
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
@@ -172,8 +196,25 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
         self.executor.shutdown()
         self.kv_event_publisher.shutdown()
+
+
+# How long an engine with only KV transfers to settle waits between polls of them.
+_TRANSFER_POLL_S = 0.001
+
+
+def _kv_connector_args(config: AxonConfig) -> dict:
+    """The scheduler half of the KV connector (``kv_transfer_config``), if any."""
+    settings = parse_kv_transfer_config(config.kv_transfer_config.kv_transfer_config)
+    if settings is None:
+        return {}
+    connector = make_scheduler_connector(
+        settings, config.cache_config.block_size, config.parallel_config.data_parallel_rank
+    )
+    return {"kv_connector": connector, "kv_load_failure_policy": settings.kv_load_failure_policy}
 
 
 def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

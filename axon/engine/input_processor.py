@@ -61,8 +61,11 @@ class InputProcessor:
         (wrapped into the seed's uint64 range).
         """
         engine_params = self.engine_params(prompt_token_ids, params)
+        kv_transfer_params = _kv_transfer_params(params)
         if params.n == 1:
-            return [self._request(request_id, prompt_token_ids, engine_params)]
+            return [self._request(request_id, prompt_token_ids, engine_params, kv_transfer_params)]
+        if kv_transfer_params is not None:
+            raise ValueError(f"kv_transfer_params needs n=1 (one sequence per transfer), got n={params.n}")
         return [
             self._request(f"{index}_{request_id}", prompt_token_ids, _child_params(engine_params, index))
             for index in range(params.n)
@@ -86,7 +89,11 @@ class InputProcessor:
         return params.for_engine(self.eos_token_id, self.vocab_size, default_max_tokens=room)
 
     def _request(
-        self, req_id: str, prompt_token_ids: list[int], params: EngineSamplingParams
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: EngineSamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> EngineCoreRequest:
         return EngineCoreRequest(
             req_id=req_id,
@@ -94,6 +101,7 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.time(),
+            kv_transfer_params=kv_transfer_params,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -131,3 +139,11 @@ def _child_params(params: EngineSamplingParams, index: int) -> EngineSamplingPar
     if seed > UINT64_MAX:
         seed -= 2**64  # the same low 64 bits: torch's generator reads the seed modulo 2**64
     return msgspec.structs.replace(params, seed=seed)
+
+
+def _kv_transfer_params(params: SamplingParams) -> dict[str, Any] | None:
+    """``extra_args["kv_transfer_params"]``, checked to be a JSON object (vLLM's protocol)."""
+    value = (params.extra_args or {}).get("kv_transfer_params")
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"kv_transfer_params must be a JSON object, got {value!r}")
+    return value

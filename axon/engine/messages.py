@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from axon.pooling_params import EnginePoolingParams
@@ -26,6 +28,8 @@ class EngineCoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     arrival_time: float
     cache_salt: str | None = None
     pooling_params: EnginePoolingParams | None = None
+    # Disaggregated serving (vLLM's SamplingParams.extra_args["kv_transfer_params"]).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct):

@@ -37,6 +37,7 @@ class ParentRequest:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     num_finished: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # from a prefill server, with the finish
 
 
 @dataclass
@@ -119,6 +120,8 @@ class OutputProcessor:
                 continue  # finished here already (stop string) while the core ran one more step
             parent = child.parent
             parent.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                parent.kv_transfer_params = out.kv_transfer_params
             if (
                 out.new_prompt_logprobs is not None
                 and parent.prompt_logprobs is not None
@@ -194,6 +197,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=all_done,
             num_cached_tokens=parent.num_cached_tokens,
+            kv_transfer_params=parent.kv_transfer_params,
         )
 
     def _to_logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:

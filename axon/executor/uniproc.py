@@ -62,6 +62,7 @@ class UniProcExecutor(Executor):
     def shutdown(self) -> None:
         if self._step_thread is not None:
             self._step_thread.shutdown(wait=False, cancel_futures=True)
+        self.worker.shutdown()
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:

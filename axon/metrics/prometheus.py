@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
 
 from axon.metrics.execution import ExecutionMetrics
+from axon.metrics.kv_transfer import KVTransferProm
 from axon.metrics.labels import LABELNAMES, engine_labelvalues, per_engine
 from axon.metrics.spec_decode import SpecDecodingProm
 from axon.metrics.stats import FinishedRequestStats, IterationStats
@@ -79,6 +80,7 @@ class PrometheusStatLogger:
         engine_indexes: Sequence[int] = (0,),
         cache_config_info: Mapping[str, object] | None = None,
         num_speculative_tokens: int = 0,
+        kv_connector: str | None = None,
     ) -> None:
         assert engine_indexes, "at least one engine"
         self.registry = CollectorRegistry(auto_describe=True)
@@ -97,6 +99,11 @@ class PrometheusStatLogger:
                 self.registry, self.labelnames, self.labelvalues_per_engine, num_speculative_tokens
             )
             if num_speculative_tokens
+            else None
+        )
+        self.kv_transfer = (
+            KVTransferProm(self.registry, self.labelnames, self.labelvalues_per_engine, kv_connector)
+            if kv_connector
             else None
         )
 
@@ -130,6 +137,8 @@ class PrometheusStatLogger:
         self.execution.record(stats, engine_idx)
         if self.spec_decoding is not None and stats.spec_decoding is not None:
             self.spec_decoding.record(stats.spec_decoding, engine_idx)
+        if self.kv_transfer is not None and stats.kv_transfer is not None:
+            self.kv_transfer.record(stats.kv_transfer, engine_idx)
         self.num_requests_running[engine_idx].set(stats.num_running_reqs)
         self.num_requests_waiting[engine_idx].set(stats.num_waiting_reqs)
         self.kv_cache_usage_perc[engine_idx].set(stats.kv_cache_usage)

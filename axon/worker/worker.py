@@ -11,6 +11,9 @@ import torch
 
 from axon.config import AxonConfig
 from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel
+from axon.kv_transfer.base import KVConnectorWorker
+from axon.kv_transfer.config import parse_kv_transfer_config
+from axon.kv_transfer.factory import make_worker_connector
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.loader.model_loader import load_model
@@ -176,6 +179,7 @@ class Worker:
             proposer=self.proposer,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_connector: KVConnectorWorker | None = None  # disaggregated serving
 
     def _make_compiler(self) -> BucketCompiler:
         m, c = self.config.model_config, self.config.cache_config
@@ -297,6 +301,12 @@ class Worker:
                     )
                     layer.bind_kv_cache(i, kv, scales)
                     self.kv_caches.append(kv)
+        settings = parse_kv_transfer_config(self.config.kv_transfer_config.kv_transfer_config)
+        if settings is not None:
+            self.kv_connector = make_worker_connector(
+                settings, block_size, self.config.parallel_config.data_parallel_rank
+            )
+            self.kv_connector.register_kv_caches(self.kv_caches)
 
     def init_thread(self) -> None:
         """Set up intra-op threads for another calling thread (async scheduling's step thread)."""
@@ -305,7 +315,23 @@ class Worker:
             configure_cpu_threads(self.thread_cpus, d.num_threads, cpu_kernels_loaded())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        connector = self.kv_connector
+        if connector is None:
+            return self.runner.execute_model(scheduler_output)
+        # The loads this step starts are for requests that do not run in it (they wait for
+        # them); what the step computed is saved after the forward.
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        connector.start_load_kv()
+        output = self.runner.execute_model(scheduler_output)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        output.kv_connector_output = connector.get_finished(scheduler_output.finished_req_ids)
+        return output
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
 
 
 _FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

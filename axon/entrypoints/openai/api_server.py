@@ -113,6 +113,7 @@ class ServerState:
             engine_indexes=engine_indexes,
             cache_config_info=dataclasses.asdict(config.cache_config),
             num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0,
+            kv_connector=(config.kv_transfer_config.kv_transfer_config or {}).get("kv_connector"),
         )
         self.stat_loggers: list[StatLogger] = [self.prometheus]
         if not config.observability_config.disable_log_stats:

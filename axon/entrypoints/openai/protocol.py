@@ -118,6 +118,9 @@ class SamplingFields(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     request_id: str | None = None
+    # Disaggregated prefill/decode (vLLM's protocol; axon/kv_transfer/): do_remote_decode asks a
+    # prefill server to keep the prompt's KV; a decode server loads it as the params say.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- chat ------------------------------------------------------------------------------------
@@ -191,6 +194,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill server's: where to load the KV
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -255,6 +259,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill server's: where to load the KV
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):

@@ -94,8 +94,10 @@ class OpenAIServingChat(OpenAIServing):
         parser: ChatOutputParser,
     ) -> Response:
         states = [ChoiceState() for _ in range(params.n)]
+        kv_transfer_params = None
         try:
             async for _, output in stream:
+                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 for completion in output.outputs:
                     states[completion.index].add(completion)
         except ServerShutdown:
@@ -114,7 +116,11 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         response = ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage(num_prompt_tokens, states)
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=usage(num_prompt_tokens, states),
+            kv_transfer_params=kv_transfer_params,
         )
         return Response(response.model_dump_json(), media_type="application/json")
 

@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -138,11 +139,13 @@ class _Run:
         self.states = [ChoiceState() for _ in range(len(prompts) * params.n)]
         self.prompt_logprobs: dict[int, PromptLogprobs | None] = {}
         self.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        self.kv_transfer_params: dict[str, Any] | None = None
 
     async def full(self, stream: OutputStream) -> Response:
         try:
             async for prompt_index, output in stream:
                 self.prompt_logprobs[prompt_index] = output.prompt_logprobs
+                self.kv_transfer_params = output.kv_transfer_params or self.kv_transfer_params
                 for c in output.outputs:
                     self.states[prompt_index * self.n + c.index].add(c)
         except ServerShutdown:
@@ -154,6 +157,7 @@ class _Run:
             model=self.serving.model_name,
             choices=choices,
             usage=usage(self.num_prompt_tokens, self.states),
+            kv_transfer_params=self.kv_transfer_params,
         )
         return Response(response.model_dump_json(), media_type="application/json")
 

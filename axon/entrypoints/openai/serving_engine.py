@@ -274,6 +274,11 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=_logit_bias(request.logit_bias),
                 structured_outputs=structured_outputs_from_request(request),
+                extra_args=(
+                    None
+                    if request.kv_transfer_params is None
+                    else {"kv_transfer_params": request.kv_transfer_params}
+                ),
             )
         except ValueError as e:  # SamplingParams' messages begin with the field's name
             name = str(e).split(" ", 1)[0]
