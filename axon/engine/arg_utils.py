@@ -5,7 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from axon.config import AxonConfig, StructuredOutputsConfig, build_config, default_cache_root, replace
+from axon.config import (
+    AxonConfig,
+    KVTransferConfig,
+    StructuredOutputsConfig,
+    build_config,
+    default_cache_root,
+    replace,
+)
+from axon.kv_transfer.config import parse_kv_transfer_config
+from axon.kv_transfer.kv_events import parse_kv_events_config
 from axon.model.layers.tensor_parallel import check_split
 from axon.model.loader import default_model_path, gguf_to_hf_folder, load_hf_config
 from axon.model.loader.default_model import (
@@ -102,9 +111,36 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
         cache_config=c,
         compilation_config=comp,
         speculative_config=_resolve_speculative(config, runner, hf, cache_root),
+        kv_transfer_config=_resolve_kv_transfer(config, runner),
     )
     # Bucket lists are resolved and checked here, once, before a model loads; the worker reads them.
     return replace(resolved, compilation_config=resolve_bucket_lists(resolved))
+
+
+def _resolve_kv_transfer(config: AxonConfig, runner: str) -> KVTransferConfig:
+    """The checked KV connector settings, with one engine id that every process of this server
+    (the scheduler's and the worker's halves) shares."""
+    kv = config.kv_transfer_config
+    parse_kv_events_config(kv.kv_events_config)  # checked here: a bad one is a usage error
+    settings = parse_kv_transfer_config(kv.kv_transfer_config)
+    if settings is None:
+        return kv
+    if runner != "generate":
+        raise ValueError("kv_transfer_config applies only to generative models (runner='generate')")
+    tp = config.parallel_config.tensor_parallel_size
+    if tp != 1:
+        raise ValueError(
+            f"kv_transfer_config with tensor_parallel_size {tp} is not supported yet: each server of a "
+            "disaggregated pair runs tensor_parallel_size 1 (scale out with --data-parallel-size)"
+        )
+    if config.cache_config.calculate_kv_scales:
+        raise ValueError(
+            "kv_transfer_config cannot be combined with calculate_kv_scales: the FP8 scales each server "
+            "calculates would differ from the ones the transferred blocks were written with"
+        )
+    raw = dict(kv.kv_transfer_config or {})
+    raw.setdefault("engine_id", settings.engine_id)
+    return replace(kv, kv_transfer_config=raw)
 
 
 def _check_tensor_parallel(config: AxonConfig, model_class: type, hf: dict[str, Any]) -> None:

@@ -27,7 +27,6 @@ the replay endpoint's) is offset by the core's data-parallel rank (an ipc/inproc
 
 from __future__ import annotations
 
-import difflib
 import logging
 import queue
 import threading
@@ -39,6 +38,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
+
+from axon.kv_transfer.config import check_keys
 
 if TYPE_CHECKING:
     import zmq
@@ -223,11 +224,7 @@ def parse_kv_events_config(raw: dict[str, Any] | None) -> KVEventsConfig | None:
         return None
     if not isinstance(raw, dict):
         raise ValueError(f"kv_events_config must be a JSON object, got {raw!r}.")  # noqa: TRY004
-    for key in raw:
-        if key not in _CHECKS:
-            close = difflib.get_close_matches(str(key), _KEYS, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else f" (known keys: {', '.join(_KEYS)})"
-            raise ValueError(f"kv_events_config has an unknown key {key!r}{hint}")
+    check_keys("kv_events_config", raw, list(_KEYS))
     values = {name: raw.get(name, getattr(_DEFAULTS, name)) for name in _KEYS}
     if raw.get("publisher") is None:
         values["publisher"] = "zmq" if values["enable_kv_cache_events"] else "null"

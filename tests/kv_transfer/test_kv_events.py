@@ -270,11 +270,6 @@ def test_llm_refuses_an_unknown_publisher() -> None:
         LLM(kv_events_config={"enable_kv_cache_events": True, "publisher": "kafka"})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs parse_kv_events_config in axon/engine/arg_utils.resolve_config: until then the "
-    "bad config fails the engine's start (exit 1), not the command line",
-)
 def test_serve_refuses_an_unknown_publisher_as_a_usage_error() -> None:
     bad = json.dumps({"enable_kv_cache_events": True, "publisher": "kafka"})
     proc = subprocess.run(

@@ -588,11 +588,6 @@ def storage_1p1d(
 ) -> Iterator[tuple[RouterProcess, list[ServerProcess]]]:
     """A prefill and a decode server sharing KV through SharedStorageConnector (no NIXL needed),
     behind a router."""
-    # The servers' half of disaggregation (axon/kv_transfer/) lands beside this test; until it
-    # does, axon serve refuses --kv-transfer-config and there is nothing to route to.
-    pytest.importorskip(
-        "axon.kv_transfer.shared_storage_connector", reason="no KV connectors in this tree yet"
-    )
     extra = {"shared_storage_path": str(tmp_path_factory.mktemp("kv-store"))}
     servers = [
         ServerProcess(
