@@ -22,6 +22,7 @@ blocks. It has vLLM's two halves, with vLLM's method names:
       start_load_kv               start loading (asynchronously: a load never blocks a step)
       wait_for_save               after the forward: save what this step finished computing
                                   (axon's per-step form of vLLM's save_kv_layer + wait_for_save)
+      progress                    a step without a forward: drive the transfers a moment
       get_finished                the requests whose loads and sends are done
 
 A request that loads KV waits in ``WAITING_FOR_REMOTE_KVS`` holding its blocks (the scheduler
@@ -134,6 +135,10 @@ class KVConnectorWorker(abc.ABC):
 
     def wait_for_save(self) -> None:
         """After the step's forward: save what the bound metadata asks to save."""
+
+    def progress(self, budget_s: float) -> None:
+        """A step with no forward (the engine only waits on transfers): drive the transfers for
+        up to ``budget_s`` seconds, returning early once one ends (default: nothing to drive)."""
 
     @abc.abstractmethod
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:

@@ -304,10 +304,15 @@ class NixlConnectorWorker(KVConnectorWorker):
         ):
             self._fail(req_id, f"remote blocks {recv.remote_block_ids} do not cover the prompt")
             return
+        # In the remote's block order: a prompt's blocks are often a run of ids on both sides,
+        # descending once the caches have cycled (blocks are freed tail first), and UCX copies
+        # a run in ascending order as one piece (7 GB/s here, against 1.5 for scattered blocks).
+        pairs = sorted(zip(recv.remote_block_ids, recv.local_block_ids, strict=False))
         regions = range(len(self.regions))
-        local = [r * self.num_blocks + b for r in regions for b in recv.local_block_ids]
-        remote_idx = [r * remote.num_blocks + b for r in regions for b in recv.remote_block_ids]
+        local = [r * self.num_blocks + b for r in regions for _, b in pairs]
+        remote_idx = [r * remote.num_blocks + b for r in regions for b, _ in pairs]
         num_bytes = len(recv.local_block_ids) * sum(x.shape[1] for x in self.regions)
+        started = time.perf_counter()  # before the post: UCX may copy much of it inline
         try:
             handle = self.agent.make_prepped_xfer(
                 "READ", self.local_dlist, local, remote_dlist, remote_idx, recv.remote_request_id.encode()
@@ -320,7 +325,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             handle.release()
             self._fail(req_id, f"NIXL READ from {recv.remote_engine_id} failed to post")
             return
-        self._reading[req_id] = _Reading(handle, num_bytes, time.perf_counter())
+        self._reading[req_id] = _Reading(handle, num_bytes, started)
 
     def _fail(self, req_id: str, why: str) -> None:
         logger.warning("KV load of request %s failed: %s; the scheduler recovers it", req_id, why)
@@ -357,6 +362,15 @@ class NixlConnectorWorker(KVConnectorWorker):
             self._remotes[engine_id] = (agent_name, dlist, remote)
             for req_id, recv in waiting.items():
                 self._read(req_id, recv)
+
+    def progress(self, budget_s: float) -> None:
+        """Poll the READs in flight until one ends or ``budget_s`` passes: with no progress
+        thread, what UCX did not copy when the READ was posted moves only while it is polled.
+        A server with no reads in flight (a prefill server waiting for readers) does not spin."""
+        deadline = time.perf_counter() + budget_s
+        while self._reading and time.perf_counter() < deadline:
+            if any(self.agent.check_xfer_state(r.handle) != "PROC" for r in self._reading.values()):
+                return
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         self._finish_handshakes()

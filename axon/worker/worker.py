@@ -325,6 +325,8 @@ class Worker:
         output = self.runner.execute_model(scheduler_output)
         connector.wait_for_save()
         connector.clear_connector_metadata()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            connector.progress(_IDLE_PROGRESS_S)
         output.kv_connector_output = connector.get_finished(scheduler_output.finished_req_ids)
         return output
 
@@ -333,6 +335,10 @@ class Worker:
             self.kv_connector.shutdown()
             self.kv_connector = None
 
+
+# How long a step with nothing to compute drives the KV transfers in flight (a transport with no
+# thread of its own, like NIXL's here, moves bytes only while it is polled).
+_IDLE_PROGRESS_S = 0.005
 
 _FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
