@@ -29,6 +29,7 @@ the scheduler then recomputes (``kv_load_failure_policy``).
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import logging
 import os
 import threading
@@ -223,6 +224,10 @@ class NixlConnectorWorker(KVConnectorWorker):
             target=self._serve_side_channel, args=(ready,), name="axon-nixl-side-channel", daemon=True
         )
         self._listener.start()
+        if self.settings.is_consumer and self.regions[0].device.type == "cpu":
+            threading.Thread(
+                target=_populate, args=(self.regions, self._stop), name="axon-nixl-populate", daemon=True
+            ).start()
         ready.wait()
         if self._listener_error is not None:
             raise RuntimeError(
@@ -419,6 +424,36 @@ class NixlConnectorWorker(KVConnectorWorker):
         if self._listener is not None:
             self._listener.join(timeout=1)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE_CHUNK = 64 << 20
+
+
+def _populate(regions: list[torch.Tensor], stop: threading.Event) -> None:
+    """Map a consumer's whole CPU cache ahead of its loads, in the background. The cache is
+    mapped lazily, in huge pages, as it is first written; a READ into memory not yet mapped
+    faults it in from inside the cross-process copy, at 0.4 GB/s here against 7 GB/s into
+    mapped blocks. MADV_POPULATE_WRITE maps pages without changing what they hold, so it is
+    safe beside the engine using the cache. An older kernel refuses it: loads then map blocks
+    as they come."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    t0 = time.perf_counter()
+    for region in regions:
+        start = region.data_ptr() // page * page
+        end = region.data_ptr() + region.numel() * region.element_size()
+        for addr in range(start, end, _POPULATE_CHUNK):
+            if stop.is_set():
+                return
+            if libc.madvise(addr, min(_POPULATE_CHUNK, end - addr), _MADV_POPULATE_WRITE) != 0:
+                logger.info(
+                    "KV cache not mapped ahead (%s): loads map blocks as they come",
+                    os.strerror(ctypes.get_errno()),
+                )
+                return
+    logger.info("KV cache mapped for loads in %.1f s", time.perf_counter() - t0)
 
 
 def _bind_host(host: str) -> str:
