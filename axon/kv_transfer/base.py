@@ -119,6 +119,9 @@ class KVConnectorWorker(abc.ABC):
         self.engine_index = engine_index
         self.metadata: KVConnectorMetadata | None = None
         self.stats = KVTransferStats()
+        # What computed the cache (model, weights' quantization, dtypes), set before
+        # register_kv_caches: KV is only ever loaded from a server with the same identity.
+        self.model_identity = ""
 
     @abc.abstractmethod
     def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...

@@ -109,6 +109,7 @@ class _EngineMeta(msgspec.Struct):
     region_block_bytes: list[int]
     num_blocks: int
     block_size: int
+    model: str = ""  # what computed the cache: KV is only read between servers of one model
 
 
 class NixlConnectorScheduler(KVConnectorScheduler):
@@ -244,6 +245,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             region_block_bytes=[r.shape[1] for r in self.regions],
             num_blocks=self.num_blocks,
             block_size=self.block_size,
+            model=self.model_identity,
         )
 
     @staticmethod
@@ -358,6 +360,8 @@ class NixlConnectorWorker(KVConnectorWorker):
                         f"its KV layout ({len(remote.region_block_bytes)} regions of {remote.region_block_bytes[:1]} "
                         f"bytes per block, block_size {remote.block_size}) is not this server's"
                     )
+                if remote.model != self.model_identity:
+                    raise RuntimeError(f"it serves {remote.model!r}, this server {self.model_identity!r}")
                 agent_name = self.agent.add_remote_agent(remote.agent_metadata)
                 dlist = self.agent.prep_xfer_dlist(agent_name, self._descs(remote), "DRAM")
             except Exception as e:  # noqa: BLE001 (a bad peer fails its loads, never the engine)

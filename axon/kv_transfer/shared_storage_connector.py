@@ -9,7 +9,8 @@ token ids over its full blocks (all but the last prompt token), so any request w
 prompt, with or without ``kv_transfer_params``, loads them instead of recomputing them.
 
     <shared_storage_path>/<sha256 of the prompt's full blocks' token ids>.kv
-        header: magic, JSON {num_blocks, block_size, region_bytes: [bytes of a block, per region]}
+        header: magic, JSON {num_blocks, block_size, region_bytes: [bytes of a block, per region],
+                model: what computed it (a load checks all but num_blocks against its own)}
         body:   region by region, block by block: the raw cache bytes
 
 ``kv_connector_extra_config``: ``shared_storage_path`` (vLLM's key; default /dev/shm/axon-kv),
@@ -176,6 +177,7 @@ class SharedStorageConnectorWorker(KVConnectorWorker):
         self.layout = {
             "block_size": self.block_size,
             "region_bytes": [r.shape[1] for r in self.regions],
+            "model": self.model_identity,
         }
 
     def start_load_kv(self) -> None:
@@ -202,11 +204,8 @@ class SharedStorageConnectorWorker(KVConnectorWorker):
                 raise ValueError("not an axon KV file")
             (header_len,) = struct.unpack("<I", f.read(4))
             header = json.loads(f.read(header_len))
-            if (
-                header["block_size"] != self.layout["block_size"]
-                or header["region_bytes"] != self.layout["region_bytes"]
-            ):
-                raise ValueError(f"its KV layout {header} is not this server's {self.layout}")
+            if any(header.get(k) != v for k, v in self.layout.items()):
+                raise ValueError(f"its KV (layout, model) {header} is not this server's {self.layout}")
             num_blocks = header["num_blocks"]
             if load.first_block + len(load.block_ids) > num_blocks:
                 raise ValueError(

@@ -306,6 +306,10 @@ class Worker:
             self.kv_connector = make_worker_connector(
                 settings, block_size, self.config.parallel_config.data_parallel_rank
             )
+            m = self.config.model_config
+            self.kv_connector.model_identity = (
+                f"{m.model_path} quantization={m.quantization} dtype={self.dtype} kv={self.kv_dtype}"
+            )
             self.kv_connector.register_kv_caches(self.kv_caches)
 
     def init_thread(self) -> None:

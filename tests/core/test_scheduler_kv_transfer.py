@@ -28,7 +28,9 @@ EOS = 2
 class Server:
     """One engine's scheduler and connector worker over a [NUM_BLOCKS, BLOCK, 2, 8] cache."""
 
-    def __init__(self, role: str, path: str, policy: str = "recompute", seed: int = 0) -> None:
+    def __init__(
+        self, role: str, path: str, policy: str = "recompute", seed: int = 0, model: str = "m"
+    ) -> None:
         settings = parse_kv_transfer_config(
             {
                 "kv_connector": "SharedStorageConnector",
@@ -55,6 +57,7 @@ class Server:
             for _ in range(2)
         ]
         self.worker = make_worker_connector(settings, BLOCK, 0)
+        self.worker.model_identity = model
         self.worker.register_kv_caches(self.caches)
         self.finish: dict[str, str | None] = {}
         self.params: dict[str, dict | None] = {}
@@ -188,3 +191,15 @@ def test_an_abort_during_a_load_frees_the_blocks_when_it_ends(tmp_path) -> None:
     sched.update_from_output(out, runner)
     decode.run()
     assert not sched.has_pending_transfers() and decode.usage == 0.0
+
+
+def test_kv_from_another_model_is_never_loaded(tmp_path) -> None:
+    """Same cache layout, another model (or quantization): the load fails and the prompt is
+    computed here."""
+    _, _, params = _prefill(str(tmp_path))
+    decode = Server("kv_consumer", str(tmp_path), model="another model")
+    decode.add("d", params)
+    decode.run()
+    assert decode.finish["d"] == "length"
+    assert next(s for s in decode.scheduled if s) == {"d": len(PROMPT)}
+    assert decode.scheduler.kv_transfer_stats.num_failed_transfers == 1
