@@ -80,10 +80,6 @@ class KVTransferStats(msgspec.Struct):
     seconds: list[float] = []  # one duration per finished transfer
     bytes_per_transfer: list[int] = []  # aligned with seconds
 
-    @property
-    def num_transfers(self) -> int:
-        return len(self.seconds)
-
     def observe(self, num_bytes: int, seconds: float) -> None:
         self.seconds.append(seconds)
         self.bytes_per_transfer.append(num_bytes)

@@ -150,14 +150,7 @@ class Scheduler:
             elif req.status == RequestStatus.WAITING_FOR_FSM:
                 del self.waiting_for_grammar[req_id]
             elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                # A load may still be writing its blocks: they are freed when it ends.
-                del self.waiting_for_remote_kv[req_id]
-                req.set_status(status)
-                self.aborted_recving[req_id] = req
-                self.finished_req_ids.add(req_id)
-                del self.requests[req_id]
-                finished.append(req)
-                continue
+                pass  # _free keeps its blocks until the load writing them ends
             else:
                 self.waiting.remove(req)
             req.set_status(status)
@@ -374,8 +367,6 @@ class Scheduler:
             self.finished_recving.discard(req.req_id)
             if req.req_id in self.failed_recving:
                 self.failed_recving.discard(req.req_id)
-                self.kv_cache_manager.free(req)
-                req.num_computed_tokens = 0
                 # "fail" is for requests sent here to decode only; one that merely found its
                 # prompt at the connector (shared storage, by content) just computes it.
                 asked = (req.kv_transfer_params or {}).get("do_remote_prefill")
@@ -383,10 +374,11 @@ class Scheduler:
                 req.kv_load_failed = True  # recomputed here (the source may still look valid)
                 if self.kv_load_failure_policy == "fail" and asked:
                     req.set_status(RequestStatus.FINISHED_ERROR)
+                    self._free(req)
                     self.failed_requests.append(req)
-                    self.finished_req_ids.add(req.req_id)
-                    del self.requests[req.req_id]
                     continue
+                self.kv_cache_manager.free(req)
+                req.num_computed_tokens = 0
                 req.set_status(RequestStatus.WAITING)
             else:
                 req.set_status(RequestStatus.WAITING)
@@ -569,14 +561,17 @@ class Scheduler:
         return True
 
     def _free(self, req: Request) -> dict | None:
-        """Release a finished request; returns the kv_transfer_params its client gets (a
-        request a decode server will read keeps its blocks until then)."""
+        """Release a finished request; returns the kv_transfer_params its client gets. Its
+        blocks wait where something still uses them: a load writing them (freed when it ends),
+        a decode server that will read them (freed when it has)."""
         delay, params = False, None
         if self.connector is not None:
             delay, params = self.connector.request_finished(
                 req, self.kv_cache_manager.get_block_ids(req.req_id)
             )
-        if delay:
+        if self.waiting_for_remote_kv.pop(req.req_id, None) is not None:
+            self.aborted_recving[req.req_id] = req
+        elif delay:
             self.sending[req.req_id] = req
         else:
             self.kv_cache_manager.free(req)

@@ -88,7 +88,5 @@ def parse_kv_transfer_config(raw: dict[str, Any] | None) -> KVTransferSettings |
     engine_id = raw.get("engine_id")
     if engine_id is not None and not (isinstance(engine_id, str) and engine_id):
         raise ValueError(f"kv_transfer_config.engine_id must be a non-empty string, got {engine_id!r}.")
-    settings = KVTransferSettings(connector, role, policy, extra=dict(extra))
-    return (
-        settings if engine_id is None else KVTransferSettings(connector, role, policy, engine_id, dict(extra))
-    )
+    given = {} if engine_id is None else {"engine_id": engine_id}  # else a new random one
+    return KVTransferSettings(connector, role, policy, extra=dict(extra), **given)

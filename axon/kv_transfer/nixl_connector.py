@@ -64,6 +64,11 @@ def side_channel_address(engine_index: int) -> tuple[str, int]:
     return host, port
 
 
+def rank_engine_id(server_engine_id: str, engine_index: int) -> str:
+    """This engine's id in kv_transfer_params: the server's, told apart per data-parallel rank."""
+    return f"{server_engine_id}-dp{engine_index}" if engine_index else server_engine_id
+
+
 def abort_request_timeout_s() -> float:
     return float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", DEFAULT_ABORT_REQUEST_TIMEOUT_S))
 
@@ -115,7 +120,7 @@ class _EngineMeta(msgspec.Struct):
 class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, settings: Any, block_size: int, engine_index: int) -> None:
         super().__init__(settings, block_size, engine_index)
-        self.engine_id = f"{settings.engine_id}-dp{engine_index}" if engine_index else settings.engine_id
+        self.engine_id = rank_engine_id(settings.engine_id, engine_index)
         self.host, self.port = side_channel_address(engine_index)
         self.abort_timeout_s = abort_request_timeout_s()
         self._recv: dict[str, _Recv] = {}
@@ -188,7 +193,7 @@ class _Reading:
 class NixlConnectorWorker(KVConnectorWorker):
     def __init__(self, settings: Any, block_size: int, engine_index: int) -> None:
         super().__init__(settings, block_size, engine_index)
-        self.engine_id = f"{settings.engine_id}-dp{engine_index}" if engine_index else settings.engine_id
+        self.engine_id = rank_engine_id(settings.engine_id, engine_index)
         self.host, self.port = side_channel_address(engine_index)
         self.handshake_timeout_s = settings.extra_number("handshake_timeout", 10)
         self.backends = list(settings.extra.get("backends") or ["UCX"])
