@@ -69,6 +69,7 @@ constexpr float kNoScore = -1e30f;
 constexpr int64_t kTile = 16;         // keys per tile of the many-rows path
 constexpr int64_t kQueryChunk = 32;   // queries per work item: bounds the row buffers
 constexpr int64_t kFewRows = 16;      // up to this many rows per item: the few-rows path
+constexpr int64_t kInPlaceRows = 4;   // up to this many rows per KV head: keys read from the cache in place
 constexpr int64_t kMaxHeadDim = 512;
 
 std::atomic<bool> g_force_generic{false};
@@ -334,25 +335,26 @@ void few_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scra
   store_rows(it, acc, row_sum);
 }
 
-// One row's scores against a tile of 16 keys held as rows (kf[t][d], zero past the tile's
-// keys): lane t of the result is q . k_t. Each dot product is accumulated as 16 partial sums
-// (lane = d mod 16, chunks in order) and the 16 partial vectors are then reduced by one fixed
-// network (pairs of lanes, quads, then 128-bit lanes): the same operations in the same order
-// for every row, whatever else the call holds, and no transposed copy of K.
-template <int D>
-AXON_INLINE __m512 row_scores(const float* q, const float* kf) {
+// One row's scores against a tile of 16 keys: lane t of the result is q . k_t, where key(t, i)
+// is the i-th 16 floats of key t (read from a widened tile, or widened from the cache in place:
+// the same numbers). Each dot product is accumulated as 16 partial sums (lane = d mod 16,
+// chunks in order) and the 16 partial vectors are then reduced by one fixed network (pairs of
+// lanes, quads, then 128-bit lanes): the same operations in the same order for every row,
+// whatever else the call holds, and no transposed copy of K.
+template <int D, typename KeyFn>
+AXON_INLINE __m512 row_scores(const float* q, KeyFn&& key) {
   constexpr int NV = D / 16;
   __m512 qv[NV];
   for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
-  const auto dot = [&](const float* k) {
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(k));
-    for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[i], _mm512_load_ps(k + 16 * i), acc);
+  const auto dot = [&](int t) {
+    __m512 acc = _mm512_mul_ps(qv[0], key(t, 0));
+    for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[i], key(t, i), acc);
     return acc;
   };
   // w[i], lane L: [k_2i's lanes 4L+0 and 4L+2, k_2i+1's, k_2i's 4L+1 and 4L+3, k_2i+1's], summed.
   __m512 w[8];
   for (int i = 0; i < 8; ++i) {
-    const __m512 a = dot(kf + 2 * i * D), b = dot(kf + (2 * i + 1) * D);
+    const __m512 a = dot(2 * i), b = dot(2 * i + 1);
     w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   }
   // x[i], lane L: keys 4i .. 4i + 3, each summed over its 128-bit lane L.
@@ -365,59 +367,121 @@ AXON_INLINE __m512 row_scores(const float* q, const float* kf) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(p0, p1, 0x88), _mm512_shuffle_f32x4(p0, p1, 0xDD));
 }
 
-template <int D, typename scalar_t, typename cache_t>
-void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
+// Where keys j0 .. j0 + 15 of ``cache`` start (the item's first KV head); keys past n point at
+// key j0, whose lanes the callers never use.
+template <typename scalar_t, typename cache_t>
+AXON_INLINE void tile_keys(const Item<scalar_t, cache_t>& it, const cache_t* cache, int64_t j0, int64_t n,
+                           const cache_t** keys) {
+  for (int64_t t = 0; t < kTile; ++t) keys[t] = cache + it.key_offset(j0 + t < n ? j0 + t : j0);
+}
+
+// Prefetches (into L2) what the item reads of keys j .. j + 15 of ``cache``.
+template <typename scalar_t, typename cache_t>
+AXON_INLINE void prefetch_tile(const Item<scalar_t, cache_t>& it, const cache_t* cache, int64_t j, int64_t n) {
+  const int64_t bytes = it.num_item_heads * it.head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t t = j; t < std::min(n, j + kTile); ++t) {
+    const char* line = reinterpret_cast<const char*>(cache + it.key_offset(t));
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(line + off, 0, 2);
+  }
+}
+
+// fn(j0, keys) for the tiles of 16 keys of ``cache`` up to n, in order (keys: tile_keys'), each
+// tile prefetched two ahead so that it arrives (often a block of its own, anywhere in memory)
+// while the one before it is used. With a ``tile`` buffer, each tile is first widened into it
+// for every KV head of the item: [head][16][D], a token's heads read as one contiguous run.
+template <int D, typename scalar_t, typename cache_t, typename Fn>
+AXON_INLINE void for_each_tile(const Item<scalar_t, cache_t>& it, const cache_t* cache, int64_t n, float* tile,
+                               Fn&& fn) {
   constexpr int NV = D / 16;
-  const int64_t rows = it.rows(), n = it.num_keys(), per_head = it.rows_per_head();
-  const OnlineSoftmaxScratch sc(scratch, rows, D);
-  float *qf = sc.qf, *acc = sc.acc, *row_max = sc.row_max, *row_sum = sc.row_sum, *vt = sc.vt;
-  load_rows(it, qf, acc);
-  std::fill(row_max, row_max + rows, kNoScore);
-  std::fill(row_sum, row_sum + rows, 0.0f);
-  alignas(64) float p[kTile];
-  alignas(64) float kf[kTile * D];
+  const cache_t* keys[kTile];
+  prefetch_tile(it, cache, 0, n);
+  prefetch_tile(it, cache, kTile, n);
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
-    const int64_t count = std::min(kTile, n - j0);
-    // The item's KV heads one after another within a tile: a token's heads are one run.
-    for (int64_t h = 0; h < it.num_item_heads; ++h) {
-      const int64_t h_begin = h * per_head, h_end = h_begin + per_head;
-      if (it.last_key(h_end - 1) < j0) continue;  // the head's latest query reads none of the tile
-      // Widen the tile: K and V as rows; keys past count are zero.
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t off = it.key_offset(j0 + t) + h * D;
-        for (int i = 0; i < NV; ++i) {
-          _mm512_store_ps(kf + t * D + 16 * i, load16(it.k_cache + off + 16 * i));
-          _mm512_storeu_ps(vt + t * D + 16 * i, load16(it.v_cache + off + 16 * i));
-        }
-      }
-      if (count < kTile) {
-        std::fill(kf + count * D, kf + kTile * D, 0.0f);
-        std::fill(vt + count * D, vt + kTile * D, 0.0f);
-      }
-      for (int64_t r = h_begin; r < h_end; ++r) {
-        const int64_t valid = std::min(count, it.last_key(r) - j0 + 1);
-        if (valid <= 0) continue;
-        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-        const __m512 sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kNoScore), row_scores<D>(qf + r * D, kf));
-        const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(sc));
-        const float correction = std::exp(row_max[r] - new_max);
-        const __m512 pv = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
-        row_max[r] = new_max;
-        row_sum[r] = row_sum[r] * correction + _mm512_reduce_add_ps(pv);
-        _mm512_store_ps(p, pv);
-        float* ar = acc + r * D;
-        __m512 a[NV];
-        const __m512 c = _mm512_set1_ps(correction);
-        for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * i), c);
-        for (int64_t u = 0; u < valid; ++u) {
-          const __m512 pu = _mm512_set1_ps(p[u]);
-          for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pu, _mm512_loadu_ps(vt + u * D + 16 * i), a[i]);
-        }
-        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(ar + 16 * i, a[i]);
+    prefetch_tile(it, cache, j0 + 2 * kTile, n);
+    tile_keys(it, cache, j0, n, keys);
+    for (int64_t t = 0; tile != nullptr && t < kTile; ++t) {
+      for (int64_t h = 0; h < it.num_item_heads; ++h) {
+        float* dst = tile + (h * kTile + t) * D;
+        for (int i = 0; i < NV; ++i) _mm512_store_ps(dst + 16 * i, load16(keys[t] + h * D + 16 * i));
       }
     }
+    fn(j0, keys);
   }
+}
+
+// Every row's scores against every key it reads, softmax over the whole row, then the values
+// weighted in key order. A row's numbers come from its own query and keys only: its scores by
+// row_scores' fixed network, its maximum exactly, its sum in lane j mod 16 for key j then one
+// fixed reduction, its values in key order; so they are the same whatever else the item or the
+// step holds (batch invariance). K and then V are read once per item, block after block. An
+// item with few rows per KV head (a decode) reads the cache in place; one with many (a prefill
+// chunk) widens each tile once for all of them (the same numbers: widening is exact).
+template <int D, bool kWiden, typename scalar_t, typename cache_t>
+void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
+  constexpr int NV = D / 16;
+  const int64_t rows = it.rows(), n = it.num_keys(), per_head = it.rows_per_head(), heads = it.num_item_heads;
+  const int64_t n_pad = (n + kTile - 1) / kTile * kTile;
+  const int64_t tile_size = kWiden ? heads * kTile * D : 0;
+  scratch.resize(static_cast<size_t>(rows * D * 2 + rows * n_pad + rows + tile_size + 16));
+  float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  float* tile = kWiden ? qf + rows * D : nullptr;  // [heads, kTile, D], 64-byte aligned
+  float* acc = qf + rows * D + tile_size;          // [rows, D]
+  float* scores = acc + rows * D;                  // [rows, n_pad]
+  float* row_sum = scores + rows * n_pad;          // [rows]
+  load_rows(it, qf, acc);
+  // What row_scores and the value sums read: float i (of 16) of key t of KV head h.
+  const auto widened = [&](const cache_t* const* keys, int64_t h, int t, int i) {
+    if constexpr (kWiden) return _mm512_load_ps(tile + (h * kTile + t) * D + 16 * i);
+    return load16(keys[t] + h * D + 16 * i);
+  };
+  for_each_tile<D>(it, it.k_cache, n, tile, [&](int64_t j0, const cache_t* const* keys) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (it.last_key(r) < j0) continue;  // the row reads none of the tile
+      const int64_t h = r / per_head;
+      const __m512 sc = row_scores<D>(qf + r * D, [&](int t, int i) { return widened(keys, h, t, i); });
+      _mm512_storeu_ps(scores + r * n_pad + j0, sc);
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * n_pad;
+    const int64_t valid = it.last_key(r) + 1, end = (valid + kTile - 1) / kTile * kTile;
+    std::fill(s + valid, s + end, kNoScore);
+    __m512 m = _mm512_set1_ps(kNoScore);
+    for (int64_t j = 0; j < end; j += kTile) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < end; j += kTile) {
+      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), row_max));
+      _mm512_storeu_ps(s + j, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    row_sum[r] = _mm512_reduce_add_ps(sum);
+  }
+  for_each_tile<D>(it, it.v_cache, n, tile, [&](int64_t j0, const cache_t* const* keys) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t valid = std::min(kTile, it.last_key(r) - j0 + 1), h = r / per_head;
+      if (valid <= 0) continue;
+      const float* p = scores + r * n_pad + j0;
+      float* ar = acc + r * D;
+      __m512 a[NV];
+      for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(ar + 16 * i);
+      for (int64_t u = 0; u < valid; ++u) {
+        const __m512 pu = _mm512_set1_ps(p[u]);
+        for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pu, widened(keys, h, u, i), a[i]);
+      }
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(ar + 16 * i, a[i]);
+    }
+  });
   store_rows(it, acc, row_sum);
+}
+
+template <int D, typename scalar_t, typename cache_t>
+void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scratch) {
+  if (it.rows_per_head() <= kInPlaceRows) {
+    many_rows_avx512<D, false>(it, scratch);
+  } else {
+    many_rows_avx512<D, true>(it, scratch);
+  }
 }
 
 #endif  // __AVX512F__
