@@ -26,6 +26,7 @@ Two policies (``bucket_compile``):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -33,6 +34,7 @@ import logging
 import os
 import shutil
 import time
+import types
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +103,10 @@ class BucketCompiler:
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
             model.forward, dynamic=False, fullgraph=True
         )
+        self._model = model
+        # Each ready bucket's forward as Dynamo rewrote it (its graph called straight from the
+        # bytecode: no cache lookup, no guards); see _capture_direct.
+        self._direct: dict[int, Callable[..., torch.Tensor]] = {}
         # Each graph stays resident once built, so the bucket list bounds them (README, "Memory
         # of the engine process").
         logger.info(
@@ -121,7 +127,7 @@ class BucketCompiler:
         on_demand the bucket is remembered for the next ``compile_pending``."""
         if num_tokens in self._ready:
             self.stats.graph_steps += 1
-            return self._run_ready
+            return self._direct.get(num_tokens, self._run_ready)
         if num_tokens not in self.token_sizes:
             raise ValueError(f"{num_tokens} tokens is not a bucket; buckets: {list(self.token_sizes)}")
         if (
@@ -179,7 +185,7 @@ class BucketCompiler:
         hits_before = counters["fxgraph_cache_hit"]
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._capture_direct(num_tokens):
                 self._run_empty(num_tokens)
         except Exception as e:  # a bucket that fails to compile stays eager; serving goes on
             logger.exception("compiling the %d-token bucket failed; it runs eagerly", num_tokens)
@@ -196,6 +202,31 @@ class BucketCompiler:
             seconds,
             "cache hit" if hit else "cache miss",
         )
+
+    @contextlib.contextmanager
+    def _capture_direct(self, num_tokens: int):
+        """Keep the bytecode Dynamo makes of the model's forward while this bucket compiles,
+        as a function of its own (vLLM dispatches its compiled graphs the same way). Calling
+        it runs the bucket's graph with no Dynamo cache lookup and no guard evaluation, which
+        cost 0.2 to 0.3 ms a decode step even with only the guards that tell the graphs apart
+        (``_run_ready``, the fallback where no bytecode was seen)."""
+        forward = self._model.forward.__func__
+        seen: list[types.CodeType] = []
+
+        def hook(original: types.CodeType, rewritten: types.CodeType) -> None:
+            if original is forward.__code__:
+                seen.append(rewritten)
+
+        handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+        if len(seen) == 1:
+            rewritten = types.FunctionType(
+                seen[0], forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
+            )
+            self._direct[num_tokens] = functools.partial(rewritten, self._model)
 
     def _run_empty(self, num_tokens: int) -> None:
         """A forward with no request: every row is padding, so nothing is written or read."""

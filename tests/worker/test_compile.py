@@ -62,6 +62,8 @@ def test_compiled_equals_eager_on_every_bucket(tiny_model_dir, tmp_path, eager_t
     )
     compiler = _worker(llm).compiler
     assert sorted(compiler.stats.records) == [4, 32] and not compiler.stats.failures
+    # Every ready bucket runs its own rewritten bytecode (no Dynamo lookup or guards per step).
+    assert sorted(compiler._direct) == [4, 32]
     _assert_reports_compiles_once(llm, ["tokens_32", "tokens_4"])
     assert _tokens(llm) == eager_tokens
     assert compiler.stats.graph_steps >= 10  # every step: one prefill step, then decodes
