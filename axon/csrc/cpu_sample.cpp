@@ -8,36 +8,54 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 
 namespace axon_cpu {
 namespace {
 
-int64_t argmax_row(const float* x, int64_t n) {
-  float best = x[0];
-  for (int64_t i = 1; i < n; ++i) best = std::max(best, x[i]);  // vectorizes: a max reduction
+#define AXON_ARGMAX_INLINE inline __attribute__((always_inline))
+
+AXON_ARGMAX_INLINE float as_float(float x) { return x; }
+AXON_ARGMAX_INLINE float as_float(c10::BFloat16 x) { return std::bit_cast<float>(uint32_t{x.x} << 16); }  // exact
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  float best = as_float(x[0]);
+  for (int64_t i = 1; i < n; ++i) best = std::max(best, as_float(x[i]));  // vectorizes: a max reduction
   for (int64_t i = 0; i < n; ++i) {
-    if (x[i] == best) return i;
+    if (as_float(x[i]) == best) return i;
   }
   return 0;
 }
 
-// [rows, vocab] float32 -> [rows] int64
-at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
-              "argmax_rows takes a float32 [rows, vocab] tensor with contiguous rows");
-  const int64_t rows = logits.size(0), n = logits.size(1);
-  TORCH_CHECK(n > 0, "argmax_rows of an empty vocabulary");
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  const float* x = logits.data_ptr<float>();
+// [rows, vocab] float32 or bfloat16 -> [rows] int64 (bfloat16 rows are read as they are: widening
+// is exact, so the answer is the one their float32 copy would give, without making the copy).
+template <typename T>
+void argmax_rows_of(const at::Tensor& logits, at::Tensor& out) {
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  const T* x = logits.data_ptr<T>();
   int64_t* o = out.data_ptr<int64_t>();
-  const int64_t stride = logits.stride(0);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * stride, n);
   });
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(logits.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && logits.stride(1) == 1,
+              "argmax_rows takes a float32 or bfloat16 [rows, vocab] tensor with contiguous rows");
+  TORCH_CHECK(logits.size(1) > 0, "argmax_rows of an empty vocabulary");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  if (dtype == at::kFloat) {
+    argmax_rows_of<float>(logits, out);
+  } else {
+    argmax_rows_of<c10::BFloat16>(logits, out);
+  }
   return out;
 }
 

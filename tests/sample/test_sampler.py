@@ -90,17 +90,36 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs is None
 
 
+def test_greedy_reads_bf16_logits_as_they_are_unless_a_processor_changes_them() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(8, 100).bfloat16()
+    before = logits.clone()
+    greedy = metadata([SamplingParams(temperature=0.0)] * 8, 100)
+    out = Sampler()(logits, greedy)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=-1))
+    # A penalty changes the answer: the processed float32 copy decides, the caller's logits stay.
+    top = logits.float().argmax(dim=-1)
+    outputs = [[int(t)] * 5 for t in top]
+    penalized = metadata(
+        [SamplingParams(temperature=0.0, repetition_penalty=100.0)] * 8, 100, outputs=outputs
+    )
+    out = Sampler()(logits, penalized)
+    assert not torch.equal(out.sampled_token_ids, top)
+    assert torch.equal(logits, before)
+
+
 def test_argmax_kernel_equals_torch_with_ties(kernel_cache_root: str) -> None:
     if not load_cpu_kernels(kernel_cache_root):
         pytest.skip("no C++ compiler: argmax is torch's")
     gen = torch.Generator().manual_seed(0)
-    for rows, vocab in [(1, 1), (3, 17), (16, 32000), (5, 49152)]:
-        logits = torch.randn(rows, vocab, generator=gen)
-        # Ties: the first maximum wins, as torch.argmax has it.
-        logits[0, vocab // 2 :] = logits[0].max() + 1
-        got = torch.ops.axon_cpu.argmax_rows(logits)
-        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
-        assert torch.equal(argmax(logits), got)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, vocab in [(1, 1), (3, 17), (16, 32000), (5, 49152)]:
+            logits = torch.randn(rows, vocab, generator=gen).to(dtype)  # bf16: many ties
+            # Ties: the first maximum wins, as torch.argmax has it.
+            logits[0, vocab // 2 :] = logits[0].max() + 1
+            got = torch.ops.axon_cpu.argmax_rows(logits)
+            assert got.dtype == torch.int64 and torch.equal(got, logits.float().argmax(dim=-1))
+            assert torch.equal(argmax(logits), got)
     # A row-strided view (rows picked out of a larger tensor) is read in place.
     wide = torch.randn(4, 100, generator=gen)
     assert torch.equal(argmax(wide[:, :60]), wide[:, :60].argmax(dim=-1))
