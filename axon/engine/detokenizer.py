@@ -1,8 +1,11 @@
 """Incremental detokenization and stop strings that may span tokens.
 
-Text grows by decoding a short window of recent tokens twice (up to the previous read point,
-and up to the newest token) and keeping the difference; a window that ends in an incomplete
-UTF-8 sequence (U+FFFD) waits for the next token. Only the window is decoded each step.
+With a fast (Rust) tokenizer, text grows through the ``tokenizers`` library's ``DecodeStream``:
+one call per token, which holds a token back while it ends an incomplete UTF-8 sequence (as
+vLLM does). Otherwise (or where the tokenizer cleans up spaces after decoding, which a stream
+cannot do) a short window of recent tokens is decoded twice (up to the previous read point, and
+up to the newest token) and the difference kept; a window that ends in an incomplete UTF-8
+sequence (U+FFFD) waits for the next token. Both give the text of decoding every token at once.
 """
 
 from __future__ import annotations
@@ -11,8 +14,54 @@ from typing import Any
 
 from axon.sampling_params import SamplingParams
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
 # Prompt tokens kept as left context, so the first output token decodes with its leading space.
 _CONTEXT_TOKENS = 5
+
+
+def _stream_backend(tokenizer: Any) -> Any | None:
+    """The Rust tokenizer behind a transformers fast tokenizer, if a DecodeStream can follow it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if DecodeStream is None or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
+
+
+class _StreamDecoder:
+    """Text of each new token from a DecodeStream, primed with the prompt's last tokens."""
+
+    def __init__(self, backend: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+        self.backend, self.skip_special_tokens = backend, skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token_id in self._context(prompt_token_ids):
+            self.next(token_id)
+
+    def _context(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt's shortest suffix of _CONTEXT_TOKENS or more tokens (up to 24) that decodes
+        to whole characters: a suffix that begins or ends inside a character would make the
+        stream's first output token start with U+FFFD."""
+        for n in range(min(_CONTEXT_TOKENS, len(prompt_token_ids)), min(24, len(prompt_token_ids)) + 1):
+            suffix = prompt_token_ids[-n:]
+            if "\ufffd" not in self.backend.decode(suffix, skip_special_tokens=False):
+                return suffix
+        return []
+
+    def next(self, token_id: int) -> str:
+        try:
+            return self.stream.step(self.backend, token_id) or ""
+        except (OverflowError, TypeError):  # an id outside the vocabulary decodes to nothing
+            return ""
+        except Exception as e:
+            # A byte-level sequence the stream cannot continue (it raises "Invalid prefix"):
+            # start a new stream at this token, as vLLM does.
+            if "Invalid prefix" not in str(e):
+                raise
+            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            return self.stream.step(self.backend, token_id) or ""
 
 
 class IncrementalDetokenizer:
@@ -23,6 +72,10 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self.enabled = params.detokenize
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        backend = _stream_backend(tokenizer) if self.enabled else None
+        self._stream = (
+            None if backend is None else _StreamDecoder(backend, prompt_token_ids, self.skip_special_tokens)
+        )
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         self.output_text = ""
@@ -43,6 +96,8 @@ class IncrementalDetokenizer:
         return None
 
     def _decode_next(self, token_id: int) -> str:
+        if self._stream is not None:
+            return self._stream.next(token_id)
         self.tokens.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(

@@ -7,7 +7,7 @@ import random
 import pytest
 import transformers as tf
 
-from axon.engine.detokenizer import IncrementalDetokenizer
+from axon.engine.detokenizer import DecodeStream, IncrementalDetokenizer, _stream_backend
 from axon.sampling_params import SamplingParams
 
 TEXTS = [
@@ -18,9 +18,34 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_path: str):
-    return tf.AutoTokenizer.from_pretrained(smollm2_path)
+@pytest.fixture(scope="module", params=["stream", "window"])
+def tokenizer(request: pytest.FixtureRequest, smollm2_path: str):
+    """SmolLM2's fast tokenizer, detokenized through a DecodeStream ("stream") or, as for a
+    tokenizer a stream cannot follow, by decoding windows of tokens ("window")."""
+    tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_path)
+    assert (_stream_backend(tokenizer) is not None) is (DecodeStream is not None)
+    if request.param == "window":
+        tokenizer.clean_up_tokenization_spaces = True  # SmolLM2 has nothing to clean up
+        assert _stream_backend(tokenizer) is None
+    elif DecodeStream is None:
+        pytest.skip("tokenizers < 0.21 has no DecodeStream")
+    return tokenizer
+
+
+def test_random_tokens_decode_as_a_whole(tokenizer) -> None:
+    """Any token sequence (byte pieces of split characters, special tokens) streams to the text
+    of decoding it at once."""
+    rng = random.Random(1)
+    for skip in (True, False):
+        for _ in range(20):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
+            prompt = [rng.randrange(1000) for _ in range(8)]
+            detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(skip_special_tokens=skip))
+            for tok in ids:
+                detok.update([tok])
+            whole = tokenizer.decode(ids, skip_special_tokens=skip)
+            if "\ufffd" not in whole:  # else the stream still holds an unfinished character back
+                assert detok.output_text == whole, ids
 
 
 @pytest.mark.parametrize("text", TEXTS)
