@@ -21,16 +21,20 @@
 // sharing a KV head are rows of one item, so each key and value is widened to float32 once for
 // all of them. Accumulation is float32 for every input dtype. Two strategies:
 //
-//   many rows (every row by default)    keys in tiles of 16 counted from key 0, flash
-//       attention's online softmax per tile. A row's 16 scores are dot products (partial sums
-//       over d mod 16, then one fixed reduction network), its weighted values a sum in key
-//       order: the same operations in the same order for a row whatever else its item or
-//       step holds. So a token's numbers are the same alone or batched, after a prefix-cache
-//       hit, in a chunked prefill or recomputed after preemption (batch invariance).
+//   many rows (every row by default)    a row's 16 scores per tile of keys (counted from key
+//       0) are dot products (partial sums over d mod 16, then one fixed reduction network),
+//       its softmax and its weighted values sums in key order: the same operations in the
+//       same order for a row whatever else its item or step holds. So a token's numbers are
+//       the same alone or batched, after a prefix-cache hit, in a chunked prefill or
+//       recomputed after preemption (batch invariance). The AVX-512 code scores every key of
+//       the item first, then takes each row's softmax whole and sums the values: K and then V
+//       stream by block after block, two tiles prefetched ahead, and decode-size items read
+//       them in place (no widened copy); the plain loops keep flash attention's online softmax.
 //   few rows (opt-out: AXON_BATCH_INVARIANT=0, set_batch_invariant(false))  for items of up
 //       to 16 rows: every score of the item, softmax over whole rows, then the weighted sum of
-//       values. Faster for large decode batches, but a row's result then depends on whether
-//       its request was a decode or a segment of a prefill.
+//       values, a score's dot product reduced per key. A row's result then depends on whether
+//       its request was a decode or a segment of a prefill; kept as the measure of what
+//       invariance costs (benchmarks/batch_invariance.py), which is now nothing.
 //
 // Both exist twice: with AVX-512 intrinsics for head dims that are multiples of 16 (the head
 // dim a template parameter, so every loop over it unrolls), and as plain loops for any other

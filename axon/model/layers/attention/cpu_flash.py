@@ -3,8 +3,9 @@
 One kernel call per layer attends every request of a step, decodes and prefill segments
 alike, reading K/V blocks in place through the block table: no gather, no mask, no grouping.
 Each (request, KV head) is a work item whose rows are the query heads sharing that KV head, so
-every K/V tile is read once for all of them; keys go by in tiles with flash attention's online
-softmax, accumulated in float32. It needs the kernels built by ``axon.platforms.cpu_kernels``;
+every K/V tile is read once for all of them; each row's scores, its softmax over the whole
+row and its weighted values are summed in one order whatever the step holds (batch
+invariance), in float32. It needs the kernels built by ``axon.platforms.cpu_kernels``;
 ``attention_backend="auto"`` falls back to ``cpu_paged`` where they cannot be built.
 """
 
