@@ -1,6 +1,6 @@
 """What batch invariance costs, and what it buys: vs_peers' workloads run by axon with batch-
 invariant attention (the default) and with the few-rows path for short items
-(``AXON_BATCH_INVARIANT=0``, the fastest setting that is not invariant), the two settings
+(``AXON_BATCH_INVARIANT=0``, a setting that is not invariant), the two settings
 alternating so that a noisy machine hits both alike; then the same 24 greedy prompts alone and
 all at once, their logprobs compared exactly, in each setting.
 
