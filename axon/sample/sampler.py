@@ -159,7 +159,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] float32 or bfloat16 -> [B] int64, the first maximum of each row (as
     ``torch.argmax``), with axon's vectorized CPU kernel where it is loaded (torch's took ~20x
     longer)."""
-    if logits.device.type == "cpu" and cpu_kernels_loaded() and logits.stride(-1) == 1:
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and cpu_kernels_loaded()
+        and logits.stride(-1) == 1
+    ):
         return torch.ops.axon_cpu.argmax_rows(logits)
     return logits.argmax(dim=-1)
 

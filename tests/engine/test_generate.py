@@ -220,3 +220,24 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model_dir) -> Non
     first = sample(7)
     assert sample(7) == first
     assert sample(8) != first
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_greedy_in_half_precision(tiny_model_dir, dtype: str) -> None:
+    """Greedy decoding in float16 and bfloat16, where the sampler reads the logits in the model's
+    dtype without a float32 copy (float16 has no C++ argmax and takes torch's): each token is the
+    one a fresh greedy request over the text before it picks."""
+    llm = LLM(model=tiny_model_dir("llama"), dtype=dtype, max_model_len=64, enforce_eager=True)
+    prompt = [1, 2, 3, 4]
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )
+    tokens = out[0].outputs[0].token_ids
+    assert len(tokens) == 4
+    # Teacher-forced: the prompt and every generated token but the last, one request, greedy.
+    forced = llm.generate(
+        [{"prompt_token_ids": prompt + tokens[:i]} for i in range(4)],
+        SamplingParams(temperature=0, max_tokens=1),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids[0] for o in forced] == tokens

@@ -120,6 +120,9 @@ def test_argmax_kernel_equals_torch_with_ties(kernel_cache_root: str) -> None:
             got = torch.ops.axon_cpu.argmax_rows(logits)
             assert got.dtype == torch.int64 and torch.equal(got, logits.float().argmax(dim=-1))
             assert torch.equal(argmax(logits), got)
+    # Other dtypes (float16 logits of a half-precision model) take torch's argmax.
+    half = torch.randn(3, 50, generator=gen).half()
+    assert torch.equal(argmax(half), half.argmax(dim=-1))
     # A row-strided view (rows picked out of a larger tensor) is read in place.
     wide = torch.randn(4, 100, generator=gen)
     assert torch.equal(argmax(wide[:, :60]), wide[:, :60].argmax(dim=-1))
