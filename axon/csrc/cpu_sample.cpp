@@ -8,27 +8,22 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cstdint>
+
+#include "cpu_vec.h"
 
 namespace axon_cpu {
 namespace {
 
-#define AXON_ARGMAX_INLINE inline __attribute__((always_inline))
-
-AXON_ARGMAX_INLINE float as_float(float x) { return x; }
-AXON_ARGMAX_INLINE float as_float(c10::BFloat16 x) { return std::bit_cast<float>(uint32_t{x.x} << 16); }  // exact
-
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
-  float best = as_float(x[0]);
-  for (int64_t i = 1; i < n; ++i) best = std::max(best, as_float(x[i]));  // vectorizes: a max reduction
+  float best = widen(x[0]);
+  for (int64_t i = 1; i < n; ++i) best = std::max(best, widen(x[i]));  // vectorizes: a max reduction
   for (int64_t i = 0; i < n; ++i) {
-    if (as_float(x[i]) == best) return i;
+    if (widen(x[i]) == best) return i;
   }
   return 0;
 }
