@@ -134,7 +134,7 @@ struct Item {
   }
 };
 
-// The many-rows path's float32 working set, carved out of one per-thread buffer.
+// The plain loops' many-rows working set (online softmax), carved out of one per-thread buffer.
 struct OnlineSoftmaxScratch {
   float* qf;       // [rows, D], scaled
   float* acc;      // [rows, D]
