@@ -268,6 +268,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH", help="also write every measurement here")
     args = p.parse_args(argv)
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="axon-spec-bench-")
+    os.makedirs(args.log_dir, exist_ok=True)
     return args
 
 
