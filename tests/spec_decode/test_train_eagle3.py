@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from axon import LLM, SamplingParams
 from axon.entrypoints.cli import engine_chat_generator, main
 from axon.model.layers.attention import get_attention_backend
 from axon.model.loader import load_hf_config
@@ -63,6 +64,20 @@ def test_trained_head_beats_a_random_one_and_loads(tiny_target: str, tmp_path: P
         get_attention_backend("reference"),
     )
     assert int(head.t2d.sum()) == 512
+    # The estimate is what serving the head measures on the same held-out prompts.
+    llm = LLM(
+        model=tiny_target,
+        dtype="float32",
+        enable_prefix_caching=False,
+        speculative_config={"model": str(tmp_path / "head"), "num_speculative_tokens": 3, "adaptive": False},
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=options.max_tokens)
+    for prompt in chat_prompts(options.num_eval_prompts, options.seed, held_out=True):
+        llm.chat([[{"role": "user", "content": prompt}]], params, use_tqdm=False)
+    totals = llm.llm_engine.engine_core.scheduler.spec_totals
+    served = 1 + totals.num_accepted_tokens / totals.num_drafts
+    print(f"estimate {report.after.mean_acceptance_length:.3f}, served {served:.3f}")
+    assert abs(served - report.after.mean_acceptance_length) < 0.1
 
 
 def test_cli_trains_and_prints_the_estimate(tiny_target: str, tmp_path: Path, capsys) -> None:
