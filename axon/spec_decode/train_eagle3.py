@@ -491,12 +491,13 @@ def estimate_acceptance(
     for group in _batch_groups(records, options.batch_tokens, random.Random(0)):
         batch = collate(group)
         valid = chain_mask(batch, k - 1)  # [B, L]: every draft's token inside the sequence
-        held = torch.ones_like(valid)
+        held = torch.ones(int(valid.sum()), dtype=torch.bool)
         accepted = torch.zeros(valid.shape, dtype=torch.int64)  # [B, L] a chain's accepted drafts
         for j, hidden in enumerate(unrolled_hidden(head, batch, k)):
-            drafts = head.draft_to_target(head.dense_draft_logits(hidden).argmax(dim=-1))
-            held &= drafts == _shift(batch.tokens, 2 + j)
-            accepted += held.long()
+            # The LM head only on rows a chain can start at (not the prompt, not the padding).
+            drafts = head.draft_to_target(head.dense_draft_logits(hidden[valid]).argmax(dim=-1))
+            held &= drafts == _shift(batch.tokens, 2 + j)[valid]
+            accepted[valid] += held.long()
         for b in range(len(group)):
             i = int(batch.prompt_lens[b]) - 1
             while i < valid.shape[1] and bool(valid[b, i]):
