@@ -467,6 +467,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 #include "cpu_linear_quant.h"
 #include "cpu_linear_w8a8.h"
+#include "cpu_moe.h"
 
 }  // namespace
 
@@ -485,6 +486,9 @@ TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
   m.def(
       "w8a8_linear(Tensor x, Tensor codes, Tensor w_scales, Tensor col_sums, int N, Tensor? bias, bool float_out) "
       "-> Tensor");
+  m.def(
+      "fused_moe(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, bool renormalize, "
+      "int intermediate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {
@@ -501,6 +505,7 @@ TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("quant_linear", &quant_linear);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("fused_moe", &fused_moe);
 }
 
 }  // namespace axon_cpu

@@ -11,7 +11,13 @@ from torch import nn
 
 from axon.model.models.bert import BertModel
 from axon.model.models.decoder_embedding import as_embedding_model
-from axon.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from axon.model.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,
@@ -19,6 +25,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlamaModel": as_embedding_model(LlamaForCausalLM),
     "MistralModel": as_embedding_model(MistralForCausalLM),
     "Qwen2Model": as_embedding_model(Qwen2ForCausalLM),

@@ -198,6 +198,10 @@ def _register_fakes() -> None:
     def _(x, codes, w_scales, col_sums, N, bias, float_out):
         return x.new_empty(*x.shape[:-1], N, dtype=torch.float32 if float_out else x.dtype)
 
+    @torch.library.register_fake("axon_cpu::fused_moe")
+    def _(x, router_logits, w13, w2, top_k, renormalize, intermediate):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("axon_cpu::attention")
     def _(q, k, v, layer, scale):
         return torch.empty_like(q)

@@ -12,6 +12,7 @@ from axon.config import ModelConfig
 from axon.distributed.parallel_state import get_tp_group
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.linear import MergedLinear, pack_linears
+from axon.model.layers.moe import pack_experts
 from axon.model.layers.quant import QuantizedWeight, QuantLinear, W8A8Linear, concat_rows, quantize_linears
 from axon.model.loader.gguf_loader import quantized_linear_weights
 from axon.model.loader.safetensors_loader import iterate_safetensors
@@ -71,6 +72,8 @@ def load_model(
             _quantize(model, model_config, use_kernel=linear_backend == "cpu_bf16")
         if linear_backend != "torch":
             pack_linears(model, linear_backend, linear_batch_hint)
+        if linear_backend == "cpu_bf16":  # the experts on the same kernel, fused
+            pack_experts(model)
         if device.type == "cpu":
             move_to_huge_pages(model)
         return model.eval()

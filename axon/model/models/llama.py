@@ -1,5 +1,6 @@
 """The Llama family: Llama (incl. Llama 3 rope scaling, tied embeddings), Mistral, Qwen2
-(q/k/v bias) and Qwen3 (per-head q/k RMSNorm). One decoder, configured by ``DecoderArch``.
+(q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Qwen3-MoE (Qwen3 with sparse MLP blocks). One
+decoder, configured by ``DecoderArch``.
 
 Parameter names equal Hugging Face's, so checkpoints load by name, except that q/k/v and
 gate/up are merged into one GEMM each (``STACKED_PARAMS``), as vLLM does.
@@ -7,6 +8,8 @@ gate/up are merged into one GEMM each (``STACKED_PARAMS``), as vLLM does.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +22,7 @@ from axon.distributed.parallel_state import tp_all_reduce
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.attention.layer import Attention
 from axon.model.layers.linear import MergedLinear
+from axon.model.layers.moe import FusedMoE
 from axon.model.layers.norm import RMSNorm
 from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
 from axon.model.layers.tensor_parallel import (
@@ -29,6 +33,7 @@ from axon.model.layers.tensor_parallel import (
     set_shard,
     split,
 )
+from axon.model.loader.safetensors_loader import LazyTensor
 from axon.model.models.weights import load_by_name
 from axon.platforms.cpu_kernels import use_cpu_kernels
 
@@ -49,6 +54,13 @@ class DecoderArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    # Mixture of experts: the layers whose MLP is a sparse block of num_experts experts
+    # (moe_intermediate_size each), num_experts_per_tok of them per token.
+    sparse_layers: frozenset[int] = frozenset()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], qkv_bias: bool | None = None, qk_norm: bool = False) -> DecoderArch:
@@ -113,6 +125,24 @@ class LlamaAttention(nn.Module):
         return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 
 
+class SparseMoeBlock(nn.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE's): the router ``gate`` and the experts."""
+
+    def __init__(self, arch: DecoderArch) -> None:
+        super().__init__()
+        self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
+        self.experts = FusedMoE(
+            arch.num_experts,
+            arch.num_experts_per_tok,
+            arch.hidden_size,
+            arch.moe_intermediate_size,
+            renormalize=arch.norm_topk_prob,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))
+
+
 class LlamaMLP(nn.Module):
     """Under tensor parallelism: this rank's columns of gate/up, down_proj's matching rows, and
     one all-reduce of its output."""
@@ -144,10 +174,12 @@ STACKED_PARAMS = {
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: DecoderArch, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self, arch: DecoderArch, rotary: RotaryEmbedding, backend: AttentionBackend, index: int = 0
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, rotary, backend)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = SparseMoeBlock(arch) if index in arch.sparse_layers else LlamaMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -174,7 +206,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_theta, arch.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary, backend) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, rotary, backend, i) for i in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -281,3 +315,93 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3 with sparse MLP blocks: layer i is sparse unless it is in ``mlp_only_layers``, when
+    ``(i + 1) % decoder_sparse_step == 0``. Experts load from Hugging Face's per-expert names
+    (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``) or its stacked ones
+    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) into ``FusedMoE``'s two weights."""
+
+    supports_tensor_parallel = False
+
+    @classmethod
+    def arch_from_hf(cls, hf_config: dict[str, Any]) -> DecoderArch:
+        arch = super().arch_from_hf(hf_config)
+        num_experts = hf_config.get("num_experts", hf_config.get("num_local_experts", 0))
+        step = hf_config.get("decoder_sparse_step", 1)
+        dense = set(hf_config.get("mlp_only_layers") or [])
+        sparse = (
+            frozenset(i for i in range(arch.num_layers) if i not in dense and (i + 1) % step == 0)
+            if num_experts > 0 and step > 0
+            else frozenset()
+        )
+        return dataclasses.replace(
+            arch,
+            sparse_layers=sparse,
+            num_experts=num_experts,
+            num_experts_per_tok=hf_config.get("num_experts_per_tok", 0),
+            moe_intermediate_size=hf_config.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(hf_config.get("norm_topk_prob", True)),
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        experts = {n for n in params if n.endswith((".experts.w13_weight", ".experts.w2_weight"))}
+        per_expert: set[tuple[str, int, str]] = set()  # (expert parameter, expert, part) loaded
+        stacked: set[str] = set()  # expert parameters loaded whole
+
+        def load_expert(name: str, match: re.Match[str], tensor: torch.Tensor) -> None:
+            block, expert, part = match.group(1), int(match.group(2)), match.group(3)
+            param = f"{block}.experts.{'w2_weight' if part == 'down_proj' else 'w13_weight'}"
+            if param not in experts or not 0 <= expert < self.arch.num_experts:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            target = params[param][expert]
+            if part != "down_proj":  # gate rows, then up rows
+                size = self.arch.moe_intermediate_size
+                target = target.narrow(0, 0 if part == "gate_proj" else size, size)
+            tensor = tensor.read() if isinstance(tensor, LazyTensor) else tensor
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            if (param, expert, part) in per_expert:
+                raise ValueError(f"checkpoint tensor {name!r} is given twice")
+            with torch.no_grad():
+                target.copy_(tensor)
+            per_expert.add((param, expert, part))
+
+        def the_rest() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                match = _EXPERT_WEIGHT.fullmatch(name)
+                if match is None:
+                    yield name, tensor
+                else:
+                    load_expert(name, match, tensor)
+
+        def rename(name: str) -> str | None:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
+                return None
+            # Hugging Face's stacked experts have FusedMoE's layout: [E, 2I (gate, up), H], [E, H, I].
+            name = _STACKED_EXPERTS.sub(lambda m: f".experts.{_STACKED_NAMES[m.group(1)]}", name)
+            if name in experts:
+                stacked.add(name)
+            return name
+
+        optional = experts | ({"lm_head.weight"} if self.arch.tie_word_embeddings else set())
+        load_by_name(self, the_rest(), rename, frozenset(optional), STACKED_PARAMS)
+        for param in sorted(experts):
+            parts = ("down_proj",) if param.endswith("w2_weight") else ("gate_proj", "up_proj")
+            wanted = {(param, e, p) for e in range(self.arch.num_experts) for p in parts}
+            if param in stacked and wanted & per_expert:
+                raise ValueError(f"checkpoint gives the experts of {param} twice (stacked and per expert)")
+            if param not in stacked and not wanted <= per_expert:
+                missing = min(wanted - per_expert)
+                raise ValueError(
+                    f"checkpoint lacks {param.rpartition('.experts.')[0]}.experts.{missing[1]}.{missing[2]}.weight"
+                )
+
+
+_EXPERT_WEIGHT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+_STACKED_NAMES = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}

@@ -1,0 +1,157 @@
+// Mixture-of-experts MLP on the packed bf16 linear kernel (included by cpu_linear.cpp, whose
+// kernels it calls): out = sum over a token's top-k experts e of w_e * down_e(silu(gate_e x) * up_e x).
+//
+//   x             [T, H] bf16
+//   router_logits [T, E] float32 or bf16; softmax over E in float32, the k largest probabilities
+//                 (ties: the lower expert id), divided by their sum when ``renormalize``
+//   w13           [E, packed(2I x H)]: each expert's gate rows then up rows, packed by
+//                 pack_linear_weight
+//   w2            [E, packed(H x I)]
+//
+// One call does the whole block: the routing, a counting sort of the (token, slot) pairs by
+// expert, each expert's gate/up GEMM over just its rows (every weight read once per call, the
+// experts nobody picked not at all), silu(gate) * up rounded to bf16, the down GEMM, then for
+// each token the weighted sum of its k rows in slot order. Every GEMM row is computed alone
+// (cpu_linear.cpp), and the sum of a token's slots runs in one fixed order, so a token's result
+// does not depend on the other tokens of the call (batch invariance). Tokens are taken kMoeChunk
+// at a time so the intermediate buffers stay bounded for long prefills.
+
+#if defined(__AVX512BF16__) && defined(AXON_AVX512_VEC)
+
+constexpr int64_t kMoeChunk = 1024;  // tokens per pass: buffers of kMoeChunk * k rows
+
+// Expert ids (descending probability, ties to the lower id) and weights of one token's top k.
+inline void route_token(const float* logits, int64_t E, int64_t k, bool renormalize, int32_t* ids, float* weights,
+                        float* probs) {
+  float max_logit = logits[0];
+  for (int64_t e = 1; e < E; ++e) max_logit = std::max(max_logit, logits[e]);
+  float sum = 0.f;
+  for (int64_t e = 0; e < E; ++e) {
+    probs[e] = std::exp(logits[e] - max_logit);
+    sum += probs[e];
+  }
+  for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+  float picked = 0.f;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+    }
+    ids[j] = static_cast<int32_t>(best);
+    weights[j] = probs[best];
+    picked += probs[best];
+    probs[best] = -1.f;  // taken
+  }
+  if (renormalize) {
+    for (int64_t j = 0; j < k; ++j) weights[j] /= picked;
+  }
+}
+
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w13,
+                     const at::Tensor& w2, int64_t top_k, bool renormalize, int64_t intermediate) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "fused_moe takes x as a [tokens, hidden] bfloat16 tensor");
+  TORCH_CHECK(router_logits.dim() == 2 && router_logits.size(0) == x.size(0),
+              "router_logits must be [tokens, experts] for the tokens of x");
+  const int64_t T = x.size(0), H = x.size(1), E = router_logits.size(1), I = intermediate, K = top_k;
+  TORCH_CHECK(K >= 1 && K <= E, "top_k ", K, " must be between 1 and the number of experts ", E);
+  TORCH_CHECK(H % 2 == 0 && I % 2 == 0, "fused_moe needs an even hidden size and intermediate size");
+  const int64_t w13_size = (2 * I + kGroupCols - 1) / kGroupCols * H * kGroupCols;
+  const int64_t w2_size = (H + kGroupCols - 1) / kGroupCols * I * kGroupCols;
+  TORCH_CHECK(w13.dim() == 2 && w13.size(0) == E && w13.size(1) == w13_size && w13.is_contiguous() &&
+                  w13.scalar_type() == at::kBFloat16,
+              "w13 must hold ", E, " packed [", 2 * I, ", ", H, "] bf16 weights");
+  TORCH_CHECK(w2.dim() == 2 && w2.size(0) == E && w2.size(1) == w2_size && w2.is_contiguous() &&
+                  w2.scalar_type() == at::kBFloat16,
+              "w2 must hold ", E, " packed [", H, ", ", I, "] bf16 weights");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor logits = router_logits.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  const uint16_t* w13p = reinterpret_cast<const uint16_t*>(w13.data_ptr<c10::BFloat16>());
+  const uint16_t* w2p = reinterpret_cast<const uint16_t*>(w2.data_ptr<c10::BFloat16>());
+  uint16_t* outp = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+
+  const int64_t max_rows = std::min(T, kMoeChunk) * K;
+  std::vector<int32_t> ids(std::min(T, kMoeChunk) * K);
+  std::vector<float> weights(ids.size());
+  std::vector<int64_t> offsets(E + 1), row_of(ids.size());  // row_of[t * K + j]: its sorted row
+  std::vector<uint16_t> xs(max_rows * H), act(max_rows * I);
+  std::vector<float> h(max_rows * 2 * I), y(max_rows * H);
+
+  for (int64_t t0 = 0; t0 < T; t0 += kMoeChunk) {
+    const int64_t n = std::min(kMoeChunk, T - t0);
+    const float* lp = logits.data_ptr<float>() + t0 * E;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> probs(E);
+      for (int64_t t = begin; t < end; ++t) {
+        route_token(lp + t * E, E, K, renormalize, ids.data() + t * K, weights.data() + t * K, probs.data());
+      }
+    });
+    // Counting sort of the n * K slots by expert (stable: tokens in order within an expert).
+    std::fill(offsets.begin(), offsets.end(), 0);
+    for (int64_t s = 0; s < n * K; ++s) ++offsets[ids[s] + 1];
+    for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+    {
+      std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+      for (int64_t s = 0; s < n * K; ++s) row_of[s] = next[ids[s]]++;
+    }
+    at::parallel_for(0, n * K, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        std::memcpy(xs.data() + row_of[s] * H, xp + (t0 + s / K) * H, H * sizeof(uint16_t));
+      }
+    });
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+      if (rows == 0) continue;
+      run_linear_on_best_path<float>(xs.data() + r0 * H, rows, H, w13p + e * w13_size, 2 * I, nullptr,
+                                     h.data() + r0 * 2 * I);
+    }
+    at::parallel_for(0, n * K, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* gate = h.data() + r * 2 * I;
+        const float* up = gate + I;
+        c10::BFloat16* a = reinterpret_cast<c10::BFloat16*>(act.data()) + r * I;
+        for (int64_t i = 0; i < I; i += 16) {
+          const int64_t m = std::min<int64_t>(16, I - i);
+          const __m512 g = load_n(gate + i, m);
+          // sigmoid(g) from e = e^-|g| <= 1 (as silu_and_mul computes it)
+          const __m512 ex = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+          const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+          const __m512 one = _mm512_set1_ps(1.0f);
+          const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, ex), _mm512_add_ps(one, ex));
+          store_n(a + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), load_n(up + i, m)), m);
+        }
+      }
+    });
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+      if (rows == 0) continue;
+      run_linear_on_best_path<float>(act.data() + r0 * I, rows, I, w2p + e * w2_size, H, nullptr, y.data() + r0 * H);
+    }
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        c10::BFloat16* o = reinterpret_cast<c10::BFloat16*>(outp) + (t0 + t) * H;
+        for (int64_t c = 0; c < H; c += 16) {
+          const int64_t m = std::min<int64_t>(16, H - c);
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t j = 0; j < K; ++j) {  // slot order: one summation order per token
+            const float* row = y.data() + row_of[t * K + j] * H;
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[t * K + j]), load_n(row + c, m), acc);
+          }
+          store_n(o + c, acc, m);
+        }
+      }
+    });
+  }
+  return out;
+}
+
+#else
+
+at::Tensor fused_moe(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
+                     int64_t) {
+  TORCH_CHECK(false, "fused_moe needs a CPU with AVX-512 BF16 (see linear_supported())");
+}
+
+#endif  // __AVX512BF16__ && AXON_AVX512_VEC

@@ -1,0 +1,129 @@
+"""Mixture-of-experts MLP: a router picks each token's top-k experts, their SwiGLU MLPs run on
+just that token, and the outputs are summed with the router's weights.
+
+``FusedMoE`` holds the experts of one block as two stacked weights (vLLM's names): ``w13_weight``
+[E, 2I, H] (each expert's gate rows, then its up rows) and ``w2_weight`` [E, H, I]. Two ways to
+run them, both one opaque op inside compiled graphs (a token's experts are data, so the block
+cannot be traced into a static graph):
+
+- ``fused`` (bfloat16 on a CPU with AVX-512 BF16, axon's kernels loaded):
+  ``torch.ops.axon_cpu.fused_moe`` (``axon/csrc/cpu_moe.h``). The weights are packed once at
+  load into the layout of axon's linear kernel; one call routes, sorts the (token, slot) pairs
+  by expert, runs each picked expert's two GEMMs over just its rows and sums each token's
+  slots in a fixed order, so a token's result does not depend on its batch.
+- ``loop`` (every other dtype and device): ``moe_loop``, a loop over the experts in torch, the
+  way transformers computes the block; it is also the fused op's oracle in the tests.
+
+Routing is Qwen3-MoE's (and Mixtral's): softmax over the experts in float32, the k largest
+probabilities, divided by their sum when ``renormalize`` (``norm_topk_prob``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_layers: dict[int, weakref.ReferenceType[FusedMoE]] = {}
+_handles = itertools.count()
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], expert ids int64 [T, k]) of each token's top-k experts."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_loop(
+    x: torch.Tensor,  # [T, H]
+    router_logits: torch.Tensor,  # [T, E]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """The block as a loop over the experts that were picked: [T, H] in x's dtype."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    out = torch.zeros_like(x)
+    for expert in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == expert)
+        gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The experts of one sparse MLP block; forward(x [T, H], router_logits [T, E]) -> [T, H]."""
+
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.method = "loop"
+        self.handle = next(_handles)
+        _layers[self.handle] = weakref.ref(self)
+        weakref.finalize(self, _layers.pop, self.handle, None)
+
+    def pack(self) -> None:
+        """Switch to the fused kernel: each expert's weights in the linear kernel's packed layout
+        (the stacked originals are dropped, so the experts stay in memory once)."""
+        with torch.no_grad():
+            w13 = torch.stack([torch.ops.axon_cpu.pack_linear_weight(w) for w in self.w13_weight])
+            w2 = torch.stack([torch.ops.axon_cpu.pack_linear_weight(w) for w in self.w2_weight])
+        del self.w13_weight, self.w2_weight
+        self.register_buffer("w13_packed", w13, persistent=False)
+        self.register_buffer("w2_packed", w2, persistent=False)
+        self.method = "fused"
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.method == "fused":
+            return torch.ops.axon_cpu.fused_moe(
+                x, router_logits, self.w13_packed, self.w2_packed, self.top_k, self.renormalize,
+                self.intermediate_size,
+            )  # fmt: skip
+        if torch.compiler.is_compiling():
+            return torch.ops.axon.moe_loop(x, router_logits, self.handle)
+        return self.run_loop(x, router_logits)
+
+    def run_loop(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return moe_loop(x, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}, method={self.method}"
+        )
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Every ``FusedMoE`` of ``model`` to the fused kernel; returns how many."""
+    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for block in blocks:
+        block.pack()
+    return len(blocks)
+
+
+@torch.library.custom_op("axon::moe_loop", mutates_args=())
+def _moe_loop_op(x: torch.Tensor, router_logits: torch.Tensor, handle: int) -> torch.Tensor:
+    ref = _layers.get(handle)
+    layer = ref() if ref is not None else None
+    assert layer is not None, f"MoE layer {handle} no longer exists"
+    return layer.run_loop(x, router_logits)
+
+
+@_moe_loop_op.register_fake
+def _(x: torch.Tensor, router_logits: torch.Tensor, handle: int) -> torch.Tensor:
+    return torch.empty_like(x)
