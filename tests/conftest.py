@@ -25,6 +25,7 @@ TINY_DIMS = {
     "vocab_size": 512,
     "max_position_embeddings": 512,
 }
+MOE_DIMS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
 
 
 def tiny_hf_config(family: str, tokenizer=None):
@@ -61,6 +62,26 @@ def tiny_hf_config(family: str, tokenizer=None):
         return tf.Qwen2Config(**TINY_DIMS)
     if family == "qwen3":
         return tf.Qwen3Config(**TINY_DIMS, head_dim=32)
+    if family == "qwen3_moe":
+        # Layer 0 sparse (8 experts, 2 per token), layer 1 dense (mlp_only_layers).
+        return tf.Qwen3MoeConfig(
+            **TINY_DIMS, head_dim=32, **MOE_DIMS, norm_topk_prob=False, mlp_only_layers=[1]
+        )
+    if family == "qwen3_moe_step2":
+        # Four layers, every second one sparse (decoder_sparse_step), top-k renormalized.
+        dims = TINY_DIMS | {"num_hidden_layers": 4}
+        return tf.Qwen3MoeConfig(**dims, head_dim=32, **MOE_DIMS, norm_topk_prob=True, decoder_sparse_step=2)
+    if family == "qwen3_moe_full_vocab":
+        # Every layer sparse, over the tokenizer's whole vocabulary (chat and text prompts fit it).
+        dims = TINY_DIMS | {"vocab_size": len(tokenizer)}
+        return tf.Qwen3MoeConfig(
+            **dims,
+            head_dim=32,
+            **MOE_DIMS,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     if family == "mistral":
         return tf.MistralConfig(**TINY_DIMS, sliding_window=None)
     raise KeyError(family)

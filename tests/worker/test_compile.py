@@ -139,3 +139,24 @@ def test_a_new_host_starts_warm_from_the_shared_store(tiny_model_dir, tmp_path, 
     assert start("host-a") == {"graphs": 2, "hits": 0}
     assert any(store.iterdir())
     assert start("host-b") == {"graphs": 2, "hits": 2}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_moe_model_compiles_with_its_experts_as_one_op(tiny_model_dir, tmp_path, dtype: str) -> None:
+    """Qwen3-MoE's sparse blocks (the fused op in bf16 where it runs, the loop over experts
+    otherwise) inside every bucket's graph: the same greedy tokens as eager."""
+    folder = tiny_model_dir("qwen3_moe")
+    eager = LLM(model=folder, dtype=dtype, max_model_len=128, enforce_eager=True, **BUCKETS)
+    compiled = LLM(
+        model=folder,
+        dtype=dtype,
+        max_model_len=128,
+        enforce_eager=False,
+        bucket_compile="warmup",
+        cache_root=str(tmp_path),
+        **BUCKETS,
+    )
+    compiler = _worker(compiled).compiler
+    assert sorted(compiler.stats.records) == [4, 32] and not compiler.stats.failures
+    assert _tokens(compiled) == _tokens(eager)
+    assert compiler.stats.graph_steps >= 10

@@ -12,7 +12,7 @@ from axon.config import ModelConfig
 from axon.distributed.parallel_state import get_tp_group
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.linear import MergedLinear, pack_linears
-from axon.model.layers.moe import pack_experts
+from axon.model.layers.moe import FusedMoE, pack_experts
 from axon.model.layers.quant import QuantizedWeight, QuantLinear, W8A8Linear, concat_rows, quantize_linears
 from axon.model.loader.gguf_loader import quantized_linear_weights
 from axon.model.loader.safetensors_loader import iterate_safetensors
@@ -72,11 +72,28 @@ def load_model(
             _quantize(model, model_config, use_kernel=linear_backend == "cpu_bf16")
         if linear_backend != "torch":
             pack_linears(model, linear_backend, linear_batch_hint)
-        if linear_backend == "cpu_bf16":  # the experts on the same kernel, fused
-            pack_experts(model)
+        _prepare_experts(model, fused=linear_backend == "cpu_bf16")
         if device.type == "cpu":
             move_to_huge_pages(model)
         return model.eval()
+
+
+def _prepare_experts(model: nn.Module, fused: bool) -> None:
+    """Mixture-of-experts blocks on the fused CPU op where the bf16 linear kernel runs (their
+    weights packed for it), else on the loop over experts; the log says which."""
+    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not blocks:
+        return
+    if fused:
+        pack_experts(model)
+    first = blocks[0]
+    logger.info(
+        "%d sparse MoE blocks of %d experts (%d per token): %s",
+        len(blocks),
+        first.num_experts,
+        first.top_k,
+        "fused CPU op" if fused else "loop over experts",
+    )
 
 
 def _quantize(model: nn.Module, model_config: ModelConfig, use_kernel: bool) -> None:

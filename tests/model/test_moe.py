@@ -1,0 +1,219 @@
+"""Mixture of experts: the routing, the fused CPU op against the loop over experts (its oracle),
+Qwen3-MoE's weight loading, and the model in bfloat16 on the fused op against transformers.
+(Teacher-forced float32 logits of both Qwen3-MoE layouts are in test_logits.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file, save_file
+
+from axon import LLM
+from axon.model.layers.moe import FusedMoE, moe_loop, pack_experts, route
+from axon.worker.logit_validation import teacher_forced_logits
+
+CASES = [
+    # experts, top_k, hidden, intermediate, tokens, renormalize
+    (4, 2, 64, 32, 5, False),
+    (8, 2, 96, 48, 1, True),  # one token (a decode)
+    (16, 4, 128, 80, 33, True),  # intermediate not a multiple of 16; hidden not of 64
+    (8, 8, 64, 32, 3, False),  # every expert picked by every token
+    (6, 1, 32, 16, 300, False),  # top-1, many tokens
+]
+
+
+def _block(
+    experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool, seed: int
+) -> FusedMoE:
+    gen = torch.Generator().manual_seed(seed)
+    block = FusedMoE(experts, top_k, hidden, intermediate, renormalize)
+    with torch.no_grad():
+        block.w13_weight.copy_(torch.randn(block.w13_weight.shape, generator=gen) * 0.1)
+        block.w2_weight.copy_(torch.randn(block.w2_weight.shape, generator=gen) * 0.1)
+    return block
+
+
+def _inputs(tokens: int, hidden: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    if experts > 2:
+        logits[:, 1] = -30.0  # expert 1 is never picked: an expert with no tokens
+    return x, logits
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_routing_picks_the_top_k_by_probability(renormalize: bool) -> None:
+    logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
+    weights, ids = route(logits, 3, renormalize)
+    probs = torch.softmax(logits, dim=-1)
+    for t in range(50):
+        assert len(set(ids[t].tolist())) == 3
+        # No unpicked expert beats a picked one.
+        assert probs[t, ids[t]].min() >= probs[t].sort(descending=True).values[2]
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(50))
+    else:
+        torch.testing.assert_close(weights, probs.gather(1, ids))
+
+
+def test_the_loop_equals_a_dense_sum_over_every_expert() -> None:
+    """The oracle by definition: each token's output is its picked experts' SwiGLU outputs,
+    weighted; computed here for every (token, expert) pair and masked."""
+    block = _block(6, 2, 32, 24, True, seed=3)
+    x, logits = _inputs(20, 32, 6, seed=4)
+    weights, ids = route(logits, 2, True)
+    dense = torch.zeros(20, 32)
+    for e in range(6):
+        gate, up = (x @ block.w13_weight[e].T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ block.w2_weight[e].T
+        dense += y * (weights * (ids == e)).sum(-1, keepdim=True)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, logits), dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("experts", "top_k", "hidden", "intermediate", "tokens", "renormalize"), CASES)
+def test_the_fused_op_equals_the_loop(
+    bf16_path: str, experts: int, top_k: int, hidden: int, intermediate: int, tokens: int, renormalize: bool
+) -> None:
+    block = _block(experts, top_k, hidden, intermediate, renormalize, seed=tokens).bfloat16()
+    x, logits = _inputs(tokens, hidden, experts, seed=tokens + 1)
+    x = x.bfloat16()
+    # The oracle in float32 on the same (bf16) weights; the fused op accumulates in float32
+    # and rounds to bf16 where the GEMMs take their inputs, so it lands within bf16's error.
+    expected = moe_loop(
+        x.float(), logits, block.w13_weight.float(), block.w2_weight.float(), top_k, renormalize
+    )
+    assert pack_experts(block) == 1 and block.method == "fused"
+    with torch.inference_mode():
+        got = block(x, logits)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, atol=0.01 * scale, rtol=0.02)
+
+
+def test_the_fused_op_gives_a_token_the_same_numbers_alone_or_batched(bf16_path: str) -> None:
+    block = _block(8, 2, 64, 48, False, seed=5).bfloat16()
+    pack_experts(block)
+    x, logits = _inputs(24, 64, 8, seed=6)
+    x, logits = x.bfloat16(), logits.bfloat16()  # router logits as the gate returns them
+    with torch.inference_mode():
+        batched = block(x, logits)
+        alone = torch.cat([block(x[i : i + 1], logits[i : i + 1]) for i in range(24)])
+        empty = block(x[:0], logits[:0])
+    assert torch.equal(alone, batched)
+    assert empty.shape == (0, 64)
+
+
+def test_the_fused_op_rejects_bad_input(bf16_kernel: None) -> None:
+    block = _block(4, 2, 64, 32, False, seed=7).bfloat16()
+    pack_experts(block)
+    x, logits = _inputs(3, 64, 4, seed=8)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        block(x, logits)  # float32 x
+    with pytest.raises(RuntimeError, match="router_logits"):
+        block(x.bfloat16(), logits[:2])
+    with pytest.raises(RuntimeError, match="top_k"):
+        torch.ops.axon_cpu.fused_moe(x.bfloat16(), logits, block.w13_packed, block.w2_packed, 5, False, 32)
+    with pytest.raises(ValueError, match="num_experts_per_tok 5"):
+        FusedMoE(4, 5, 64, 32, False)
+
+
+def test_the_fused_op_runs_in_a_compiled_graph(bf16_kernel: None) -> None:
+    block = _block(8, 2, 64, 48, True, seed=9).bfloat16()
+    pack_experts(block)
+    x, logits = _inputs(7, 64, 8, seed=10)
+    x = x.bfloat16()
+    with torch.inference_mode():
+        eager = block(x, logits)
+        compiled = torch.compile(block, dynamic=False, fullgraph=True)(x, logits)
+    assert torch.equal(compiled, eager)
+
+
+def test_the_loop_runs_in_a_compiled_graph() -> None:
+    block = _block(8, 2, 64, 48, True, seed=11)
+    x, logits = _inputs(7, 64, 8, seed=12)
+    with torch.inference_mode():
+        eager = block(x, logits)
+        compiled = torch.compile(block, dynamic=False, fullgraph=True)(x, logits)
+    torch.testing.assert_close(compiled, eager)
+
+
+# ---- Qwen3-MoE checkpoints ----
+
+
+def _weights_of(llm: LLM) -> dict[str, torch.Tensor]:
+    model = llm.llm_engine.engine_core.executor.worker.model
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _restack(folder: str, out: Path) -> None:
+    """The checkpoint with each layer's experts stacked as Hugging Face's newer layout names them
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I])."""
+    tensors = load_file(Path(folder) / "model.safetensors")
+    config = json.loads((Path(folder) / "config.json").read_text())
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    layers = {k.split(".mlp.experts.")[0] for k in tensors if ".mlp.experts." in k}
+    for layer in layers:
+        prefix = f"{layer}.mlp.experts"
+        gate_up = [
+            torch.cat(
+                [tensors.pop(f"{prefix}.{e}.gate_proj.weight"), tensors.pop(f"{prefix}.{e}.up_proj.weight")]
+            )
+            for e in range(experts)
+        ]
+        down = [tensors.pop(f"{prefix}.{e}.down_proj.weight") for e in range(experts)]
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{prefix}.down_proj"] = torch.stack(down)
+    out.mkdir()
+    for f in Path(folder).iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_stacked_and_per_expert_checkpoints_load_the_same(tiny_model_dir, tmp_path: Path) -> None:
+    folder = tiny_model_dir("qwen3_moe_step2")
+    _restack(folder, tmp_path / "stacked")
+    kwargs = {"dtype": "float32", "max_model_len": 64, "linear_backend": "torch"}
+    per_expert = _weights_of(LLM(model=folder, **kwargs))
+    stacked = _weights_of(LLM(model=str(tmp_path / "stacked"), **kwargs))
+    assert per_expert.keys() == stacked.keys()
+    assert any(k.endswith("experts.w13_weight") for k in per_expert)
+    for name, tensor in per_expert.items():
+        assert torch.equal(tensor, stacked[name]), name
+
+
+def test_a_checkpoint_missing_an_expert_names_it(tiny_model_dir, tmp_path: Path) -> None:
+    folder = Path(tiny_model_dir("qwen3_moe"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in folder.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.5\.up_proj\.weight"):
+        LLM(model=str(broken), dtype="float32", max_model_len=64)
+
+
+def test_bf16_qwen3_moe_on_the_fused_op_tracks_transformers(bf16_kernel: None, tiny_model_dir) -> None:
+    """bfloat16 on axon's kernels (fused experts) against transformers in float32: the same
+    next token nearly everywhere and logits within bf16's error."""
+    folder = tiny_model_dir("qwen3_moe_step2")
+    token_ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(13)).tolist()
+    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([token_ids])).logits[0]
+    llm = LLM(model=folder, dtype="bfloat16", max_model_len=128, block_size=4)
+    model = llm.llm_engine.engine_core.executor.worker.model
+    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(blocks) == 2 and all(b.method == "fused" for b in blocks)
+    got = teacher_forced_logits(model, token_ids, block_size=4).float()
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() < 0.05 * scale
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9
