@@ -129,7 +129,8 @@ class ParallelConfig:
     """The head's TCP port on data_parallel_address where other hosts' engine cores join it
     (vLLM's default)."""
     enable_expert_parallel: bool = False
-    """Expert parallelism for MoE models: not implemented yet (an error if set)."""
+    """MoE models: each of the tensor_parallel_size ranks holds num_experts / N whole experts
+    (expert parallelism) instead of 1/N of every expert's width; attention splits as usual."""
     distributed_executor_backend: str | None = None
     """How the workers run (axon/executor/abstract.py): uni (one worker in the engine-core
     process), mp (one process per rank on this host), ray (one Ray actor per rank). None: uni
@@ -238,9 +239,6 @@ class AxonConfig:
 
 
 _RESOLVED_ONLY = {"model_path", "hf_config", "gguf_file"}
-# vLLM options whose feature is not built yet: named so that their flags parse and `--help` lists
-# them, and refused when set (silently ignoring them would give users something they did not ask for).
-NOT_IMPLEMENTED_OPTIONS = ("enable_expert_parallel",)
 # Options that parse from JSON strings when given as text (CLI flags).
 _JSON_OPTIONS = {
     "speculative_config",
@@ -444,7 +442,6 @@ def validate_config(config: AxonConfig) -> None:
         "must be one of auto, cpu, cuda",
     )
     need(m.max_logprobs >= 0, "max_logprobs", m.max_logprobs, "must be non-negative")
-    _reject_not_implemented(config)
     comp = config.compilation_config
     need(
         comp.bucket_compile in BUCKET_COMPILE_POLICIES,
@@ -478,15 +475,6 @@ def _validate_data_parallel_hosts(p: ParallelConfig) -> None:
         raise ValueError("data_parallel_address must be the head's IP address, got ''.")
     if not 1 <= p.data_parallel_rpc_port <= 65535:
         raise ValueError(f"data_parallel_rpc_port must be in 1..65535, got {p.data_parallel_rpc_port!r}.")
-
-
-def _reject_not_implemented(config: AxonConfig) -> None:
-    for name in NOT_IMPLEMENTED_OPTIONS:
-        sub = getattr(config, OPTION_OWNERS[name])
-        default = next(f.default for f in fields(sub) if f.name == name)
-        value = getattr(sub, name)
-        if value != default:
-            raise ValueError(f"{name} is not implemented yet in axon; leave it unset (got {value!r}).")
 
 
 def default_cache_root() -> str:

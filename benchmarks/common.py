@@ -26,6 +26,21 @@ TINY_LLAMA_SHAPE: dict[str, Any] = {
     "vocab_size": 32000,
     "max_position_embeddings": 2048,
 }
+# A small Qwen3-MoE: 12 sparse layers of 16 experts, 4 per token (the MoE workload's model).
+QWEN3_MOE_SHAPE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "moe_intermediate_size": 512,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+}
 TINY_LLAMA_SEED = 0
 
 
@@ -51,15 +66,33 @@ def tiny_llama_folder() -> str:
 
 
 def _build_tiny_llama(folder: str) -> None:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
     config = LlamaConfig(
         **TINY_LLAMA_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False
     )
+    _build_random(config, folder)
+
+
+def qwen3_moe_folder() -> str:
+    """A seeded random-weight Qwen3-MoE shaped like a small real one (QWEN3_MOE_SHAPE), saved
+    once (safetensors, bf16) with SmolLM2's tokenizer."""
+    folder = os.path.join(bench_cache_root(), "qwen3-moe")
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        from transformers import Qwen3MoeConfig
+
+        config = Qwen3MoeConfig(**QWEN3_MOE_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+        _build_random(config, folder)
+    return folder
+
+
+def _build_random(config: Any, folder: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
     torch.manual_seed(TINY_LLAMA_SEED)
-    model = LlamaForCausalLM(config).bfloat16()
+    model = AutoModelForCausalLM.from_config(config).bfloat16()
     # Write to a temporary folder and rename, so an interrupted build never looks finished.
     tmp = f"{folder}.tmp-{os.getpid()}"
     model.save_pretrained(tmp, safe_serialization=True)
@@ -68,7 +101,11 @@ def _build_tiny_llama(folder: str) -> None:
     os.replace(tmp, folder)
 
 
-MODEL_FOLDERS: dict[str, Callable[[], str]] = {"tiny": tiny_llama_folder, "smollm2": smollm2_folder}
+MODEL_FOLDERS: dict[str, Callable[[], str]] = {
+    "tiny": tiny_llama_folder,
+    "smollm2": smollm2_folder,
+    "qwen3_moe": qwen3_moe_folder,
+}
 
 
 def model_folder(name: str) -> str:

@@ -118,44 +118,6 @@ def test_a_checkpoint_quantized_in_another_format_is_refused_by_name(tmp_path, s
         create_engine_config(model=str(folder))
 
 
-@pytest.mark.parametrize(
-    ("name", "value"),
-    [
-        ("enable_expert_parallel", True),
-    ],
-)
-def test_options_not_implemented_yet_are_refused(name: str, value: object) -> None:
-    with pytest.raises(ValueError, match=f"{name} is not implemented yet"):
-        build_config(**{name: value})
-
-
-def test_llm_refuses_an_option_not_implemented_yet() -> None:
-    from axon import LLM
-
-    with pytest.raises(ValueError, match="enable_expert_parallel is not implemented yet"):
-        LLM(enable_expert_parallel=True)
-
-
-@pytest.mark.parametrize(
-    ("flags", "name"),
-    [
-        (["--enable-expert-parallel"], "enable_expert_parallel"),
-    ],
-)
-def test_serve_refuses_an_option_not_implemented_yet(flags: list[str], name: str) -> None:
-    """`axon serve` answers with a one-line usage error, not a traceback, before loading a model."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "axon.entrypoints.cli", "serve", *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"axon serve: error: {name} is not implemented yet" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
 def test_serve_names_a_bad_speculative_config_field() -> None:
     """A speculative config missing k fails at start-up naming the field, before loading a model."""
     proc = subprocess.run(

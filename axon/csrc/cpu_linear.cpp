@@ -488,7 +488,7 @@ TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
       "-> Tensor");
   m.def(
       "fused_moe(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, bool renormalize, "
-      "int intermediate) -> Tensor");
+      "int intermediate, int first_expert) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {

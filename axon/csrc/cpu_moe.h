@@ -4,10 +4,13 @@
 //   x             [T, H] bf16
 //   router_logits [T, E] float32 or bf16; softmax over E in float32, the k largest probabilities
 //                 (ties: the lower expert id), divided by their sum when ``renormalize``
-//   w13           [E, packed(2I x H)]: each expert's gate rows then up rows, packed by
-//                 pack_linear_weight
-//   w2            [E, packed(H x I)]
+//   w13           [L, packed(2I x H)]: the gate rows then the up rows of experts first_expert ..
+//                 first_expert + L - 1 (this rank's under expert parallelism; all E without),
+//                 packed by pack_linear_weight
+//   w2            [L, packed(H x I)]
 //
+// A slot routed to an expert outside this rank's range adds nothing here (another rank's
+// all-reduce brings it).
 // One call does the whole block: the routing, a counting sort of the (token, slot) pairs by
 // expert, each expert's gate/up GEMM over just its rows (every weight read once per call, the
 // experts nobody picked not at all), silu(gate) * up rounded to bf16, the down GEMM, then for
@@ -48,21 +51,24 @@ inline void route_token(const float* logits, int64_t E, int64_t k, bool renormal
 }
 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w13,
-                     const at::Tensor& w2, int64_t top_k, bool renormalize, int64_t intermediate) {
+                     const at::Tensor& w2, int64_t top_k, bool renormalize, int64_t intermediate,
+                     int64_t first_expert) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "fused_moe takes x as a [tokens, hidden] bfloat16 tensor");
   TORCH_CHECK(router_logits.dim() == 2 && router_logits.size(0) == x.size(0),
               "router_logits must be [tokens, experts] for the tokens of x");
   const int64_t T = x.size(0), H = x.size(1), E = router_logits.size(1), I = intermediate, K = top_k;
+  const int64_t L = w13.size(0);  // this rank's experts: first_expert .. first_expert + L - 1
   TORCH_CHECK(K >= 1 && K <= E, "top_k ", K, " must be between 1 and the number of experts ", E);
   TORCH_CHECK(H % 2 == 0 && I % 2 == 0, "fused_moe needs an even hidden size and intermediate size");
   const int64_t w13_size = (2 * I + kGroupCols - 1) / kGroupCols * H * kGroupCols;
   const int64_t w2_size = (H + kGroupCols - 1) / kGroupCols * I * kGroupCols;
-  TORCH_CHECK(w13.dim() == 2 && w13.size(0) == E && w13.size(1) == w13_size && w13.is_contiguous() &&
-                  w13.scalar_type() == at::kBFloat16,
-              "w13 must hold ", E, " packed [", 2 * I, ", ", H, "] bf16 weights");
-  TORCH_CHECK(w2.dim() == 2 && w2.size(0) == E && w2.size(1) == w2_size && w2.is_contiguous() &&
+  TORCH_CHECK(first_expert >= 0 && first_expert + L <= E, "experts ", first_expert, " .. ", first_expert + L - 1,
+              " are not among the router's ", E);
+  TORCH_CHECK(w13.dim() == 2 && w13.size(1) == w13_size && w13.is_contiguous() && w13.scalar_type() == at::kBFloat16,
+              "w13 must hold packed [", 2 * I, ", ", H, "] bf16 weights, one row per expert");
+  TORCH_CHECK(w2.dim() == 2 && w2.size(0) == L && w2.size(1) == w2_size && w2.is_contiguous() &&
                   w2.scalar_type() == at::kBFloat16,
-              "w2 must hold ", E, " packed [", H, ", ", I, "] bf16 weights");
+              "w2 must hold ", L, " packed [", H, ", ", I, "] bf16 weights");
   const at::Tensor xc = x.contiguous();
   const at::Tensor logits = router_logits.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({T, H}, x.options());
@@ -75,7 +81,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
   const int64_t max_rows = std::min(T, kMoeChunk) * K;
   std::vector<int32_t> ids(std::min(T, kMoeChunk) * K);
   std::vector<float> weights(ids.size());
-  std::vector<int64_t> offsets(E + 1), row_of(ids.size());  // row_of[t * K + j]: its sorted row
+  std::vector<int64_t> offsets(L + 1), row_of(ids.size());  // row_of[t * K + j]: its sorted row, -1: not here
   std::vector<uint16_t> xs(max_rows * H), act(max_rows * I);
   std::vector<float> h(max_rows * 2 * I), y(max_rows * H);
 
@@ -88,26 +94,30 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
         route_token(lp + t * E, E, K, renormalize, ids.data() + t * K, weights.data() + t * K, probs.data());
       }
     });
-    // Counting sort of the n * K slots by expert (stable: tokens in order within an expert).
+    // Counting sort of the n * K slots by local expert (stable: tokens in order within an expert).
     std::fill(offsets.begin(), offsets.end(), 0);
-    for (int64_t s = 0; s < n * K; ++s) ++offsets[ids[s] + 1];
-    for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+    const auto local = [&](int64_t s) { return static_cast<int64_t>(ids[s]) - first_expert; };
+    for (int64_t s = 0; s < n * K; ++s) {
+      if (local(s) >= 0 && local(s) < L) ++offsets[local(s) + 1];
+    }
+    for (int64_t e = 0; e < L; ++e) offsets[e + 1] += offsets[e];
     {
       std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
-      for (int64_t s = 0; s < n * K; ++s) row_of[s] = next[ids[s]]++;
+      for (int64_t s = 0; s < n * K; ++s) row_of[s] = local(s) >= 0 && local(s) < L ? next[local(s)]++ : -1;
     }
+    const int64_t rows_here = offsets[L];
     at::parallel_for(0, n * K, 64, [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s) {
-        std::memcpy(xs.data() + row_of[s] * H, xp + (t0 + s / K) * H, H * sizeof(uint16_t));
+        if (row_of[s] >= 0) std::memcpy(xs.data() + row_of[s] * H, xp + (t0 + s / K) * H, H * sizeof(uint16_t));
       }
     });
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; e < L; ++e) {
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
       if (rows == 0) continue;
       run_linear_on_best_path<float>(xs.data() + r0 * H, rows, H, w13p + e * w13_size, 2 * I, nullptr,
                                      h.data() + r0 * 2 * I);
     }
-    at::parallel_for(0, n * K, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows_here, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const float* gate = h.data() + r * 2 * I;
         const float* up = gate + I;
@@ -124,7 +134,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
         }
       }
     });
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; e < L; ++e) {
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
       if (rows == 0) continue;
       run_linear_on_best_path<float>(act.data() + r0 * I, rows, I, w2p + e * w2_size, H, nullptr, y.data() + r0 * H);
@@ -136,6 +146,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
           const int64_t m = std::min<int64_t>(16, H - c);
           __m512 acc = _mm512_setzero_ps();
           for (int64_t j = 0; j < K; ++j) {  // slot order: one summation order per token
+            if (row_of[t * K + j] < 0) continue;
             const float* row = y.data() + row_of[t * K + j] * H;
             acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[t * K + j]), load_n(row + c, m), acc);
           }
@@ -150,7 +161,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
 #else
 
 at::Tensor fused_moe(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
-                     int64_t) {
+                     int64_t, int64_t) {
   TORCH_CHECK(false, "fused_moe needs a CPU with AVX-512 BF16 (see linear_supported())");
 }
 

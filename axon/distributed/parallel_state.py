@@ -52,10 +52,22 @@ class DistributedInit:
 
 
 _group = TensorParallelGroup()
+_expert_parallel = False
 
 
 def get_tp_group() -> TensorParallelGroup:
     return _group
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """Whether MoE layers built from now on split their experts across the group's ranks
+    (``enable_expert_parallel``) rather than each expert's width."""
+    global _expert_parallel
+    _expert_parallel = enabled
+
+
+def expert_parallel() -> bool:
+    return _expert_parallel
 
 
 def init_tensor_parallel(

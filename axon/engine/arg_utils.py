@@ -15,7 +15,7 @@ from axon.config import (
 )
 from axon.kv_transfer.config import parse_kv_transfer_config
 from axon.kv_transfer.kv_events import parse_kv_events_config
-from axon.model.layers.tensor_parallel import check_split
+from axon.model.layers.tensor_parallel import check_share, check_split
 from axon.model.loader import default_model_path, gguf_to_hf_folder, load_hf_config
 from axon.model.loader.default_model import (
     DEFAULT_EMBEDDING_MODEL_NAME,
@@ -154,7 +154,13 @@ def _check_tensor_parallel(config: AxonConfig, model_class: type, hf: dict[str, 
             f"{model_class.__name__} cannot be split across ranks yet: tensor_parallel_size must be 1"
         )
     arch = model_class.arch_from_hf(hf)
-    check_split(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, tp)
+    dense = len(getattr(arch, "sparse_layers", ())) < arch.num_layers
+    check_split(arch.num_heads, arch.num_kv_heads, arch.intermediate_size if dense else tp, tp)
+    if getattr(arch, "num_experts", 0):
+        if config.parallel_config.enable_expert_parallel:
+            check_share(arch.num_experts, tp, "number of experts (enable_expert_parallel)")
+        else:
+            check_share(arch.moe_intermediate_size, tp, "moe_intermediate_size")
     spec = parse_spec_decode_config(config.speculative_config.speculative_config)
     if spec is not None and spec.method != "ngram":
         raise ValueError(

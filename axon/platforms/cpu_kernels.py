@@ -199,7 +199,7 @@ def _register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], N, dtype=torch.float32 if float_out else x.dtype)
 
     @torch.library.register_fake("axon_cpu::fused_moe")
-    def _(x, router_logits, w13, w2, top_k, renormalize, intermediate):
+    def _(x, router_logits, w13, w2, top_k, renormalize, intermediate, first_expert):
         return torch.empty_like(x)
 
     @torch.library.register_fake("axon_cpu::attention")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from axon.config import AxonConfig
-from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel
+from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel, set_expert_parallel
 from axon.kv_transfer.base import KVConnectorWorker
 from axon.kv_transfer.config import parse_kv_transfer_config
 from axon.kv_transfer.factory import make_worker_connector
@@ -134,6 +134,7 @@ class Worker:
         )
         if dist_init is not None:
             init_tensor_parallel(dist_init, self.device, cpu_kernels)
+        set_expert_parallel(config.parallel_config.enable_expert_parallel)
         self.attention_backend = _attention_backend_name(
             config.compilation_config.attention_backend, self.device, cpu_kernels
         )

@@ -109,6 +109,29 @@ def test_the_fused_op_gives_a_token_the_same_numbers_alone_or_batched(bf16_path:
     assert empty.shape == (0, 64)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_ranks_holding_half_the_experts_each_sum_to_the_whole(bf16_kernel: None, fused: bool) -> None:
+    """Expert parallelism's arithmetic: a block over experts 0-3 plus one over 4-7 (each skipping
+    the slots routed to the other's) is the block over all 8."""
+    whole = _block(8, 2, 64, 48, True, seed=14).bfloat16()
+    halves = []
+    for first in (0, 4):
+        half = FusedMoE(8, 2, 64, 48, True, first_expert=first, num_local_experts=4).bfloat16()
+        with torch.no_grad():
+            half.w13_weight.copy_(whole.w13_weight[first : first + 4])
+            half.w2_weight.copy_(whole.w2_weight[first : first + 4])
+        halves.append(half)
+    x, logits = _inputs(19, 64, 8, seed=15)
+    x = x.bfloat16()
+    if fused:
+        for block in (whole, *halves):
+            pack_experts(block)
+    with torch.inference_mode():
+        expected = whole(x, logits).float()
+        got = halves[0](x, logits).float() + halves[1](x, logits).float()
+    torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0.02)
+
+
 def test_the_fused_op_rejects_bad_input(bf16_kernel: None) -> None:
     block = _block(4, 2, 64, 32, False, seed=7).bfloat16()
     pack_experts(block)
@@ -118,7 +141,9 @@ def test_the_fused_op_rejects_bad_input(bf16_kernel: None) -> None:
     with pytest.raises(RuntimeError, match="router_logits"):
         block(x.bfloat16(), logits[:2])
     with pytest.raises(RuntimeError, match="top_k"):
-        torch.ops.axon_cpu.fused_moe(x.bfloat16(), logits, block.w13_packed, block.w2_packed, 5, False, 32)
+        torch.ops.axon_cpu.fused_moe(x.bfloat16(), logits, block.w13_packed, block.w2_packed, 5, False, 32, 0)
+    with pytest.raises(RuntimeError, match="not among the router's 4"):
+        torch.ops.axon_cpu.fused_moe(x.bfloat16(), logits, block.w13_packed, block.w2_packed, 2, False, 32, 1)
     with pytest.raises(ValueError, match="num_experts_per_tok 5"):
         FusedMoE(4, 5, 64, 32, False)
 

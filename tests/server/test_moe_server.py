@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-from conftest import COMPLETION_PROMPTS, ServerProcess
 
 from axon import LLM, SamplingParams
+from tests.server.conftest import COMPLETION_PROMPTS, ServerProcess
 
 ARGS = ["--dtype", "bfloat16", "--max-model-len", "256"]
 
@@ -79,6 +79,38 @@ def test_a_streamed_chat_equals_the_whole_one(server: ServerProcess) -> None:
         "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         == whole.choices[0].message.content
     )
+
+
+def test_expert_parallel_serving_equals_one_rank(moe_folder: str) -> None:
+    """`--tensor-parallel-size 2 --enable-expert-parallel`: two ranks of four whole experts each,
+    float32, the same greedy completions as the offline engine on one rank."""
+    proc = ServerProcess(
+        "--model",
+        moe_folder,
+        "--max-model-len",
+        "256",
+        "--tensor-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+    )
+    try:
+        client = proc.wait_ready().client()
+        for experts in ("0..3", "4..7"):  # each rank logs its share
+            assert (
+                f"2 sparse MoE blocks of 8 experts (2 per token), experts {experts} on this rank"
+                in proc.log()
+            )
+        model = client.models.list().data[0].id
+        prompts = COMPLETION_PROMPTS[8:12]
+        served = [
+            client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+            for p in prompts
+        ]
+    finally:
+        proc.stop()
+    llm = LLM(model=moe_folder, dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert served == [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_bad_input_is_a_400_and_the_server_goes_on(server: ServerProcess) -> None:

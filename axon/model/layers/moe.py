@@ -16,6 +16,12 @@ cannot be traced into a static graph):
 
 Routing is Qwen3-MoE's (and Mixtral's): softmax over the experts in float32, the k largest
 probabilities, divided by their sum when ``renormalize`` (``norm_topk_prob``).
+
+Under tensor parallelism a block holds this rank's share (``SparseMoeBlock`` in
+``axon/model/models/llama.py`` picks it): 1/N of every expert's width (its gate, up and down
+slices), or with expert parallelism whole experts ``first_expert .. first_expert + L - 1``; a
+token's slots routed to another rank's experts add nothing here, and one all-reduce after the
+block sums the ranks' parts.
 """
 
 from __future__ import annotations
@@ -47,31 +53,51 @@ def moe_loop(
     w2: torch.Tensor,  # [E, H, I]
     top_k: int,
     renormalize: bool,
+    first_expert: int = 0,
 ) -> torch.Tensor:
-    """The block as a loop over the experts that were picked: [T, H] in x's dtype."""
+    """The block as a loop over the experts that were picked: [T, H] in x's dtype. w13 and w2
+    hold experts first_expert .. first_expert + len(w13) - 1; slots of the others add nothing."""
     weights, ids = route(router_logits, top_k, renormalize)
     out = torch.zeros_like(x)
     for expert in torch.unique(ids).tolist():
+        if not 0 <= expert - first_expert < w13.shape[0]:
+            continue
         token, slot = torch.where(ids == expert)
-        gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        gate, up = F.linear(x[token], w13[expert - first_expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert - first_expert])
         out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
     return out
 
 
 class FusedMoE(nn.Module):
-    """The experts of one sparse MLP block; forward(x [T, H], router_logits [T, E]) -> [T, H]."""
+    """The experts of one sparse MLP block; forward(x [T, H], router_logits [T, E]) -> [T, H].
+
+    It holds experts ``first_expert .. first_expert + num_local_experts - 1`` (all of them by
+    default), each ``intermediate_size`` wide: columns ``intermediate_start ..`` of the
+    checkpoint's experts (the loader reads that slice)."""
 
     def __init__(
-        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        first_expert: int = 0,
+        num_local_experts: int | None = None,
+        intermediate_start: int = 0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.first_expert = first_expert
+        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.intermediate_start = intermediate_start
+        local = self.num_local_experts
+        self.w13_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size))
         self.method = "loop"
         self.handle = next(_handles)
         _layers[self.handle] = weakref.ref(self)
@@ -92,18 +118,23 @@ class FusedMoE(nn.Module):
         if self.method == "fused":
             return torch.ops.axon_cpu.fused_moe(
                 x, router_logits, self.w13_packed, self.w2_packed, self.top_k, self.renormalize,
-                self.intermediate_size,
+                self.intermediate_size, self.first_expert,
             )  # fmt: skip
         if torch.compiler.is_compiling():
             return torch.ops.axon.moe_loop(x, router_logits, self.handle)
         return self.run_loop(x, router_logits)
 
     def run_loop(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return moe_loop(x, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize)
+        return moe_loop(
+            x, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize, self.first_expert
+        )
 
     def extra_repr(self) -> str:
+        local = ""
+        if self.num_local_experts != self.num_experts:
+            local = f"local_experts={self.first_expert}..{self.first_expert + self.num_local_experts - 1}, "
         return (
-            f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+            f"num_experts={self.num_experts}, {local}top_k={self.top_k}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}, method={self.method}"
         )
 

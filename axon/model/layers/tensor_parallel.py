@@ -45,11 +45,12 @@ def split(total: int, what: str) -> tuple[int, int]:
     """This rank's (start, count) of ``total`` items split evenly; an uneven split is an error
     that names ``what``."""
     group = get_tp_group()
-    count = _share(total, group.size, what)
+    count = check_share(total, group.size, what)
     return group.rank * count, count
 
 
-def _share(total: int, size: int, what: str) -> int:
+def check_share(total: int, size: int, what: str) -> int:
+    """``total / size``; an uneven split is an error that names ``what``."""
     if total % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's {what} ({total})")
     return total // size
@@ -68,7 +69,7 @@ def kv_heads(num_kv_heads: int, num_heads: int) -> tuple[int, int]:
 
 def _check_kv_heads(num_kv_heads: int, size: int) -> None:
     if num_kv_heads >= size:
-        _share(num_kv_heads, size, "number of KV heads")
+        check_share(num_kv_heads, size, "number of KV heads")
     elif size % num_kv_heads:
         raise ValueError(
             f"tensor_parallel_size {size} is more than the model's {num_kv_heads} KV heads and not a multiple of them"
@@ -78,9 +79,9 @@ def _check_kv_heads(num_kv_heads: int, size: int) -> None:
 def check_split(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
     """Raise (naming the dimension) unless a decoder with these sizes splits across ``size``
     ranks; what start-up checks before any rank loads."""
-    _share(num_heads, size, "number of attention heads")
+    check_share(num_heads, size, "number of attention heads")
     _check_kv_heads(num_kv_heads, size)
-    _share(intermediate_size, size, "intermediate_size")
+    check_share(intermediate_size, size, "intermediate_size")
 
 
 def padded_vocab_share(vocab_size: int) -> tuple[int, int]:

@@ -87,11 +87,20 @@ def _prepare_experts(model: nn.Module, fused: bool) -> None:
     if fused:
         pack_experts(model)
     first = blocks[0]
+    share = ""
+    if first.num_local_experts != first.num_experts:
+        share = (
+            f", experts {first.first_expert}..{first.first_expert + first.num_local_experts - 1} on this rank"
+        )
+    elif get_tp_group().size > 1:
+        start = first.intermediate_start
+        share = f", columns {start}..{start + first.intermediate_size - 1} of each expert on this rank"
     logger.info(
-        "%d sparse MoE blocks of %d experts (%d per token): %s",
+        "%d sparse MoE blocks of %d experts (%d per token)%s: %s",
         len(blocks),
         first.num_experts,
         first.top_k,
+        share,
         "fused CPU op" if fused else "loop over experts",
     )
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon.distributed.parallel_state import tp_all_reduce
+from axon.distributed.parallel_state import expert_parallel, tp_all_reduce
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.attention.layer import Attention
 from axon.model.layers.linear import MergedLinear
@@ -126,21 +126,32 @@ class LlamaAttention(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """A mixture-of-experts MLP (Qwen3-MoE's): the router ``gate`` and the experts."""
+    """A mixture-of-experts MLP (Qwen3-MoE's): the router ``gate`` (whole on every rank) and the
+    experts. Under tensor parallelism each rank holds 1/N of every expert's width, or with
+    expert parallelism 1/N of the experts, whole; one all-reduce sums the ranks' outputs."""
 
     def __init__(self, arch: DecoderArch) -> None:
         super().__init__()
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
+        if expert_parallel():
+            first_expert, num_local = split(arch.num_experts, "number of experts")
+            first_col, width = 0, arch.moe_intermediate_size
+        else:
+            first_expert, num_local = 0, arch.num_experts
+            first_col, width = split(arch.moe_intermediate_size, "moe_intermediate_size")
         self.experts = FusedMoE(
             arch.num_experts,
             arch.num_experts_per_tok,
             arch.hidden_size,
-            arch.moe_intermediate_size,
+            width,
             renormalize=arch.norm_topk_prob,
+            first_expert=first_expert,
+            num_local_experts=num_local,
+            intermediate_start=first_col,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        return tp_all_reduce(self.experts(x, self.gate(x)))
 
 
 class LlamaMLP(nn.Module):
@@ -321,9 +332,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3 with sparse MLP blocks: layer i is sparse unless it is in ``mlp_only_layers``, when
     ``(i + 1) % decoder_sparse_step == 0``. Experts load from Hugging Face's per-expert names
     (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``) or its stacked ones
-    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) into ``FusedMoE``'s two weights."""
-
-    supports_tensor_parallel = False
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) into
+    ``FusedMoE``'s two weights, each rank only its experts and its slice of their width."""
 
     @classmethod
     def arch_from_hf(cls, hf_config: dict[str, Any]) -> DecoderArch:
@@ -346,62 +356,75 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        experts = {n for n in params if n.endswith((".experts.w13_weight", ".experts.w2_weight"))}
-        per_expert: set[tuple[str, int, str]] = set()  # (expert parameter, expert, part) loaded
-        stacked: set[str] = set()  # expert parameters loaded whole
+        blocks = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
+        loaded: set[tuple[str, int, str]] = set()  # (block, expert, part) this rank holds
 
-        def load_expert(name: str, match: re.Match[str], tensor: torch.Tensor) -> None:
-            block, expert, part = match.group(1), int(match.group(2)), match.group(3)
-            param = f"{block}.experts.{'w2_weight' if part == 'down_proj' else 'w13_weight'}"
-            if param not in experts or not 0 <= expert < self.arch.num_experts:
+        def load_expert(name: str, block_name: str, expert: int, part: str, tensor: torch.Tensor) -> None:
+            block = blocks.get(block_name)
+            if block is None or not 0 <= expert < block.num_experts:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            target = params[param][expert]
-            if part != "down_proj":  # gate rows, then up rows
-                size = self.arch.moe_intermediate_size
-                target = target.narrow(0, 0 if part == "gate_proj" else size, size)
-            tensor = tensor.read() if isinstance(tensor, LazyTensor) else tensor
-            if tuple(tensor.shape) != tuple(target.shape):
+            local = expert - block.first_expert
+            if not 0 <= local < block.num_local_experts:
+                return  # another rank's expert
+            width, start = block.intermediate_size, block.intermediate_start
+            size = self.arch.moe_intermediate_size  # the whole expert's width
+            full = (block.hidden_size, size) if part == "down_proj" else (size, block.hidden_size)
+            if tuple(tensor.shape) != full:
                 raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {full}"
                 )
-            if (param, expert, part) in per_expert:
+            dim = 1 if part == "down_proj" else 0  # [H, I]: this rank's columns; [I, H]: its rows
+            tensor = (
+                tensor.read(dim, start, width)
+                if isinstance(tensor, LazyTensor)
+                else tensor.narrow(dim, start, width)
+            )
+            if part == "down_proj":
+                target = block.w2_weight[local]
+            else:  # the gate or the up half
+                target = block.w13_weight[local].narrow(0, 0 if part == "gate_proj" else width, width)
+            if (block_name, expert, part) in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} is given twice")
             with torch.no_grad():
                 target.copy_(tensor)
-            per_expert.add((param, expert, part))
+            loaded.add((block_name, expert, part))
 
         def the_rest() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                match = _EXPERT_WEIGHT.fullmatch(name)
-                if match is None:
-                    yield name, tensor
+                one = _EXPERT_WEIGHT.fullmatch(name)
+                stacked = _STACKED_EXPERTS.fullmatch(name)
+                if one is not None:
+                    load_expert(name, f"{one.group(1)}.experts", int(one.group(2)), one.group(3), tensor)
+                elif stacked is not None:
+                    # [E, 2I, H] (gate rows, then up rows) or [E, H, I]: expert by expert.
+                    whole = tensor.read() if isinstance(tensor, LazyTensor) else tensor
+                    block_name = f"{stacked.group(1)}.experts"
+                    for e in range(whole.shape[0]):
+                        if stacked.group(2) == "down_proj":
+                            load_expert(name, block_name, e, "down_proj", whole[e])
+                        else:
+                            gate, up = whole[e].chunk(2, dim=0)
+                            load_expert(name, block_name, e, "gate_proj", gate)
+                            load_expert(name, block_name, e, "up_proj", up)
                 else:
-                    load_expert(name, match, tensor)
+                    yield name, tensor
+
+        tied = self.arch.tie_word_embeddings
 
         def rename(name: str) -> str | None:
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and tied):
                 return None
-            # Hugging Face's stacked experts have FusedMoE's layout: [E, 2I (gate, up), H], [E, H, I].
-            name = _STACKED_EXPERTS.sub(lambda m: f".experts.{_STACKED_NAMES[m.group(1)]}", name)
-            if name in experts:
-                stacked.add(name)
             return name
 
-        optional = experts | ({"lm_head.weight"} if self.arch.tie_word_embeddings else set())
+        experts = {f"{b}.{w}" for b in blocks for w in ("w13_weight", "w2_weight")}
+        optional = experts | ({"lm_head.weight"} if tied else set())
         load_by_name(self, the_rest(), rename, frozenset(optional), STACKED_PARAMS)
-        for param in sorted(experts):
-            parts = ("down_proj",) if param.endswith("w2_weight") else ("gate_proj", "up_proj")
-            wanted = {(param, e, p) for e in range(self.arch.num_experts) for p in parts}
-            if param in stacked and wanted & per_expert:
-                raise ValueError(f"checkpoint gives the experts of {param} twice (stacked and per expert)")
-            if param not in stacked and not wanted <= per_expert:
-                missing = min(wanted - per_expert)
-                raise ValueError(
-                    f"checkpoint lacks {param.rpartition('.experts.')[0]}.experts.{missing[1]}.{missing[2]}.weight"
-                )
+        for block_name, block in blocks.items():
+            for e in range(block.first_expert, block.first_expert + block.num_local_experts):
+                for part in ("gate_proj", "up_proj", "down_proj"):
+                    if (block_name, e, part) not in loaded:
+                        raise ValueError(f"checkpoint lacks {block_name}.{e}.{part}.weight")
 
 
 _EXPERT_WEIGHT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
-_STACKED_NAMES = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+_STACKED_EXPERTS = re.compile(r"(.+\.mlp)\.experts\.(gate_up_proj|down_proj)")

@@ -1,0 +1,70 @@
+"""Microseconds per mixture-of-experts block: axon's fused CPU op beside the loop over experts.
+
+    python -m benchmarks.moe_op [--reps 9] [--threads 2]
+
+One sparse block of the MoE workload's model (``benchmarks.common.QWEN3_MOE_SHAPE``: hidden 1024,
+16 experts of 512, 4 per token), bfloat16, random weights and router logits, at 1 token (a
+single decode), 16 (a batch-16 decode step), 128 and 512 tokens (prefills). ``loop`` is
+``axon.model.layers.moe.moe_loop``, transformers' way (one ``F.linear`` pair per picked expert,
+``index_add_``); ``fused`` is ``torch.ops.axon_cpu.fused_moe`` on the packed weights. Medians of
+``--reps`` calls after two warm-up calls, the two timed round-robin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: make the repo root (axon, benchmarks) importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks.attention_micro import median_us_each
+from benchmarks.common import QWEN3_MOE_SHAPE, cpu_summary, markdown_table
+
+TOKENS = (1, 16, 128, 512)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from axon.config import default_cache_root
+    from axon.model.layers.moe import FusedMoE
+    from axon.platforms.cpu_kernels import load_cpu_kernels
+
+    if not (load_cpu_kernels(default_cache_root()) and torch.ops.axon_cpu.linear_supported()):
+        raise SystemExit("the fused MoE op needs axon's C++ kernels on a CPU with AVX-512 BF16")
+    shape = QWEN3_MOE_SHAPE
+    hidden, experts, top_k = shape["hidden_size"], shape["num_experts"], shape["num_experts_per_tok"]
+    gen = torch.Generator().manual_seed(0)
+    loop = FusedMoE(experts, top_k, hidden, shape["moe_intermediate_size"], renormalize=True)
+    with torch.no_grad():
+        loop.w13_weight.copy_(torch.randn(loop.w13_weight.shape, generator=gen) * 0.02)
+        loop.w2_weight.copy_(torch.randn(loop.w2_weight.shape, generator=gen) * 0.02)
+    loop = loop.bfloat16()
+    fused = FusedMoE(experts, top_k, hidden, shape["moe_intermediate_size"], renormalize=True).bfloat16()
+    fused.load_state_dict(loop.state_dict())
+    fused.pack()
+    rows = []
+    with torch.inference_mode():
+        for tokens in TOKENS:
+            x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+            logits = torch.randn(tokens, experts, generator=gen).bfloat16()
+            loop_us, fused_us = median_us_each([lambda: loop(x, logits), lambda: fused(x, logits)], args.reps)
+            rows.append([str(tokens), f"{loop_us:,.0f}", f"{fused_us:,.0f}", f"{loop_us / fused_us:.1f}x"])
+    print(cpu_summary())
+    print(
+        f"one MoE block: hidden {hidden}, {experts} experts of {shape['moe_intermediate_size']}, "
+        f"top-{top_k}, bf16, {args.threads} threads, median of {args.reps}"
+    )
+    print(markdown_table(["tokens", "loop us", "fused us", "fused speedup"], rows))
+
+
+if __name__ == "__main__":
+    main()
