@@ -18,8 +18,7 @@ from axon.engine.arg_utils import create_engine_config
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.moe import FusedMoE
 from axon.model.loader.model_loader import load_model
-from axon.model.loader.safetensors_loader import LazyTensor
-from tests.distributed.test_tensor_parallel import _assert_same, _run
+from tests.distributed.test_tensor_parallel import _assert_same, _run, count_reads
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_step2"])
@@ -47,15 +46,7 @@ def _load_rank(folder: str, rank: int, expert_parallel: bool, monkeypatch) -> tu
     config = create_engine_config(
         model=folder, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel
     ).model_config
-    read_bytes = []
-    original = LazyTensor.read
-
-    def counting_read(self, dim=None, start=0, count=0):
-        tensor = original(self, dim, start, count)
-        read_bytes.append(tensor.numel() * tensor.element_size())
-        return tensor
-
-    monkeypatch.setattr(LazyTensor, "read", counting_read)
+    read_bytes = count_reads(monkeypatch)
     monkeypatch.setattr(parallel_state, "_group", TensorParallelGroup(rank=rank, size=2))
     parallel_state.set_expert_parallel(expert_parallel)
     try:

@@ -122,14 +122,9 @@ def test_a_model_that_does_not_split_is_refused_before_loading(tiny_model_dir) -
         )
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_each_rank_reads_only_its_slice(tiny_model_dir, monkeypatch, rank: int) -> None:
-    """Rank r's parameters are its slices of the checkpoint, and it reads no byte more."""
-    from safetensors.torch import load_file
-
-    folder = tiny_model_dir("qwen2")
-    config = create_engine_config(model=folder, dtype="float32", tensor_parallel_size=2).model_config
-    read_bytes = []
+def count_reads(monkeypatch) -> list[int]:
+    """The bytes of every checkpoint read from now on (one entry per ``LazyTensor.read``)."""
+    read_bytes: list[int] = []
     original = LazyTensor.read
 
     def counting_read(self, dim=None, start=0, count=0):
@@ -138,6 +133,17 @@ def test_each_rank_reads_only_its_slice(tiny_model_dir, monkeypatch, rank: int) 
         return tensor
 
     monkeypatch.setattr(LazyTensor, "read", counting_read)
+    return read_bytes
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_reads_only_its_slice(tiny_model_dir, monkeypatch, rank: int) -> None:
+    """Rank r's parameters are its slices of the checkpoint, and it reads no byte more."""
+    from safetensors.torch import load_file
+
+    folder = tiny_model_dir("qwen2")
+    config = create_engine_config(model=folder, dtype="float32", tensor_parallel_size=2).model_config
+    read_bytes = count_reads(monkeypatch)
     monkeypatch.setattr(parallel_state, "_group", TensorParallelGroup(rank=rank, size=2))
     model = load_model(config, torch.float32, torch.device("cpu"), get_attention_backend("reference", None))
     full = load_file(os.path.join(folder, "model.safetensors"))
