@@ -35,7 +35,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from axon.config import default_cache_root
-    from axon.model.layers.moe import FusedMoE
+    from axon.model.layers.moe import FusedMoE, MoeMath
     from axon.platforms.cpu_kernels import load_cpu_kernels
 
     if not (load_cpu_kernels(default_cache_root()) and torch.ops.axon_cpu.linear_supported()):
@@ -43,12 +43,13 @@ def main() -> None:
     shape = QWEN3_MOE_SHAPE
     hidden, experts, top_k = shape["hidden_size"], shape["num_experts"], shape["num_experts_per_tok"]
     gen = torch.Generator().manual_seed(0)
-    loop = FusedMoE(experts, top_k, hidden, shape["moe_intermediate_size"], renormalize=True)
+    math = MoeMath(top_k, renormalize=True)
+    loop = FusedMoE(experts, hidden, shape["moe_intermediate_size"], math)
     with torch.no_grad():
         loop.w13_weight.copy_(torch.randn(loop.w13_weight.shape, generator=gen) * 0.02)
         loop.w2_weight.copy_(torch.randn(loop.w2_weight.shape, generator=gen) * 0.02)
     loop = loop.bfloat16()
-    fused = FusedMoE(experts, top_k, hidden, shape["moe_intermediate_size"], renormalize=True).bfloat16()
+    fused = FusedMoE(experts, hidden, shape["moe_intermediate_size"], math).bfloat16()
     fused.load_state_dict(loop.state_dict())
     fused.pack()
     rows = []
@@ -56,7 +57,9 @@ def main() -> None:
         for tokens in TOKENS:
             x = torch.randn(tokens, hidden, generator=gen).bfloat16()
             logits = torch.randn(tokens, experts, generator=gen).bfloat16()
-            loop_us, fused_us = median_us_each([lambda: loop(x, logits), lambda: fused(x, logits)], args.reps)
+            loop_us, fused_us = median_us_each(
+                [lambda x=x, g=logits: loop(x, g), lambda x=x, g=logits: fused(x, g)], args.reps
+            )
             rows.append([str(tokens), f"{loop_us:,.0f}", f"{fused_us:,.0f}", f"{loop_us / fused_us:.1f}x"])
     print(cpu_summary())
     print(

@@ -26,6 +26,23 @@ TINY_DIMS = {
     "max_position_embeddings": 512,
 }
 MOE_DIMS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+GPT_OSS_DIMS = TINY_DIMS | {
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 150000.0,
+    },
+}
 
 
 def tiny_hf_config(family: str, tokenizer=None):
@@ -82,6 +99,9 @@ def tiny_hf_config(family: str, tokenizer=None):
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
+    if family == "gpt_oss":
+        # Alternating sliding (window 8) and full attention, sinks, YaRN, 4 experts (2 a token).
+        return tf.GptOssConfig(**GPT_OSS_DIMS)
     if family == "mistral":
         return tf.MistralConfig(**TINY_DIMS, sliding_window=None)
     raise KeyError(family)
@@ -113,6 +133,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str):
                 for name, p in model.named_parameters():
                     if name.endswith("bias"):
                         p.normal_(0, 0.1)
+                    elif name.endswith("sinks"):  # GPT-OSS: sinks that take a real share of each softmax
+                        p.normal_(0, 1.0)
             folder = Path(tmp_path_factory.mktemp(f"tiny-{family}"))
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)

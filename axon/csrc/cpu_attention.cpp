@@ -92,6 +92,8 @@ struct Item {
   int64_t kv_head, num_item_heads, first_token, first_pos, q_begin, q_end;  // first_pos: query 0's position
   float scale;
   int64_t all_keys;  // > 0: not causal, every query reads keys 0 .. all_keys - 1
+  int64_t window;      // > 0: a query at position p reads keys p - window + 1 .. p only
+  const float* sinks;  // [num_heads] logits that join each row's softmax denominator; nullptr: none
 
   int64_t rows_per_head() const { return (q_end - q_begin) * group; }
   int64_t rows() const { return num_item_heads * rows_per_head(); }
@@ -102,6 +104,15 @@ struct Item {
     return ((first_token + row_query(r)) * num_heads + head) * head_dim;
   }
   int64_t last_key(int64_t r) const { return all_keys > 0 ? all_keys - 1 : first_pos + row_query(r); }
+  int64_t first_key(int64_t r) const {
+    return window > 0 ? std::max<int64_t>(0, first_pos + row_query(r) - window + 1) : 0;
+  }
+  // The first key any row of the item reads (its first query's), rounded down to a whole tile.
+  int64_t first_tile_key(int64_t tile) const {
+    return window > 0 ? std::max<int64_t>(0, first_pos + q_begin - window + 1) / tile * tile : 0;
+  }
+  bool has_sink() const { return sinks != nullptr; }
+  float sink(int64_t r) const { return sinks[(kv_head + r / rows_per_head()) * group + r % group]; }
   int64_t num_keys() const { return all_keys > 0 ? all_keys : first_pos + q_end; }  // the most any row reads
   // Offset of key j of the item's first KV head (the next heads follow, head_dim apart).
   int64_t key_offset(int64_t j) const {
@@ -234,18 +245,19 @@ void many_rows_generic(const Item<scalar_t, cache_t>& it, std::vector<float>& sc
       }
       for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
         const int64_t valid = std::min(count, it.last_key(r) - j0 + 1);
-        if (valid <= 0) continue;
+        const int64_t lo = std::max<int64_t>(0, it.first_key(r) - j0);  // keys before it: out of the window
+        if (valid <= lo) continue;
         for (int64_t t = 0; t < kTile; ++t) scores[t] = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
           const float qd = qf[r * D + d];
           for (int64_t t = 0; t < kTile; ++t) scores[t] += qd * kt[d * kTile + t];
         }
         float tile_max = kNoScore;
-        for (int64_t t = 0; t < valid; ++t) tile_max = std::max(tile_max, scores[t]);
+        for (int64_t t = lo; t < valid; ++t) tile_max = std::max(tile_max, scores[t]);
         const float new_max = std::max(row_max[r], tile_max);
         const float correction = std::exp(row_max[r] - new_max);
         float tile_sum = 0.0f;
-        for (int64_t t = 0; t < valid; ++t) {
+        for (int64_t t = lo; t < valid; ++t) {
           scores[t] = std::exp(scores[t] - new_max);
           tile_sum += scores[t];
         }
@@ -253,10 +265,18 @@ void many_rows_generic(const Item<scalar_t, cache_t>& it, std::vector<float>& sc
         row_sum[r] = row_sum[r] * correction + tile_sum;
         float* ar = acc + r * D;
         for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
-        for (int64_t t = 0; t < valid; ++t) {
+        for (int64_t t = lo; t < valid; ++t) {
           for (int64_t d = 0; d < D; ++d) ar[d] += scores[t] * vt[t * D + d];
         }
       }
+    }
+  }
+  if (it.has_sink()) {  // the sink joins the denominator last
+    for (int64_t r = 0; r < rows; ++r) {
+      const float new_max = std::max(row_max[r], it.sink(r));
+      const float correction = std::exp(row_max[r] - new_max);
+      row_sum[r] = row_sum[r] * correction + std::exp(it.sink(r) - new_max);
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= correction;
     }
   }
   store_rows(it, acc, row_sum);
@@ -398,9 +418,10 @@ AXON_INLINE void for_each_tile(const Item<scalar_t, cache_t>& it, const cache_t*
                                Fn&& fn) {
   constexpr int NV = D / 16;
   const cache_t* keys[kTile];
-  prefetch_tile(it, cache, 0, n);
-  prefetch_tile(it, cache, kTile, n);
-  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+  const int64_t begin = it.first_tile_key(kTile);  // tiles before it lie outside every row's window
+  prefetch_tile(it, cache, begin, n);
+  prefetch_tile(it, cache, begin + kTile, n);
+  for (int64_t j0 = begin; j0 < n; j0 += kTile) {
     prefetch_tile(it, cache, j0 + 2 * kTile, n);
     tile_keys(it, cache, j0, n, keys);
     for (int64_t t = 0; tile != nullptr && t < kTile; ++t) {
@@ -440,7 +461,7 @@ void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scr
   };
   for_each_tile<D>(it, it.k_cache, n, tile, [&](int64_t j0, const cache_t* const* keys) {
     for (int64_t r = 0; r < rows; ++r) {
-      if (it.last_key(r) < j0) continue;  // the row reads none of the tile
+      if (it.last_key(r) < j0 || it.first_key(r) >= j0 + kTile) continue;  // the row reads none of the tile
       const int64_t h = r / per_head;
       const __m512 sc = row_scores<D>(qf + r * D, [&](int t, int i) { return widened(keys, h, t, i); });
       _mm512_storeu_ps(scores + r * n_pad + j0, sc);
@@ -449,22 +470,27 @@ void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scr
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * n_pad;
     const int64_t valid = it.last_key(r) + 1, end = (valid + kTile - 1) / kTile * kTile;
+    const int64_t first = it.first_key(r), begin = first / kTile * kTile;  // the row's window, whole tiles
+    std::fill(s + begin, s + first, kNoScore);
     std::fill(s + valid, s + end, kNoScore);
     __m512 m = _mm512_set1_ps(kNoScore);
-    for (int64_t j = 0; j < end; j += kTile) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    for (int64_t j = begin; j < end; j += kTile) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+    float max_score = _mm512_reduce_max_ps(m);
+    if (it.has_sink()) max_score = std::max(max_score, it.sink(r));
+    const __m512 row_max = _mm512_set1_ps(max_score);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < end; j += kTile) {
+    for (int64_t j = begin; j < end; j += kTile) {
       const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), row_max));
       _mm512_storeu_ps(s + j, p);
       sum = _mm512_add_ps(sum, p);
     }
     row_sum[r] = _mm512_reduce_add_ps(sum);
+    if (it.has_sink()) row_sum[r] += std::exp(it.sink(r) - max_score);  // after the keys: one order
   }
   for_each_tile<D>(it, it.v_cache, n, tile, [&](int64_t j0, const cache_t* const* keys) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t valid = std::min(kTile, it.last_key(r) - j0 + 1), h = r / per_head;
-      if (valid <= 0) continue;
+      if (valid <= 0 || it.first_key(r) >= j0 + kTile) continue;  // keys before first_key weigh 0
       const float* p = scores + r * n_pad + j0;
       float* ar = acc + r * D;
       __m512 a[NV];
@@ -521,7 +547,7 @@ template <typename scalar_t, typename cache_t>
 void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_table,
                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                   bool causal = true) {
+                   bool causal = true, int64_t window = 0, const float* sinks = nullptr) {
   // Not causal (encoder_attention): block_table is one int64 row 0 .. T - 1 over one-token
   // blocks, and request r's row starts at its first token.
   const int64_t num_reqs = seq_lens.size(0);
@@ -546,7 +572,8 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
     items.push_back({q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
                      v_cache.data_ptr<cache_t>(), causal ? table + r * block_table.stride(0) : table + qsl[r],
                      num_heads, group, head_dim, block_size, token_stride, block_size * token_stride, h, num_h,
-                     qsl[r], lens[r] - n, q0, q1, static_cast<float>(scale), causal ? 0 : int64_t{lens[r]}});
+                     qsl[r], lens[r] - n, q0, q1, static_cast<float>(scale), causal ? 0 : int64_t{lens[r]},
+                     causal ? window : 0, sinks});
   };
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = qsl[r + 1] - qsl[r];
@@ -563,7 +590,9 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
-      (!invariant && items[i].rows_per_head() <= kFewRows ? few_rows : many_rows)(items[i], scratch);
+      // The few-rows kernels have no window or sinks: such a layer's items take the many-rows path.
+      const bool few = !invariant && items[i].rows_per_head() <= kFewRows && window <= 0 && sinks == nullptr;
+      (few ? few_rows : many_rows)(items[i], scratch);
     }
   });
 }
@@ -605,14 +634,15 @@ void check_metadata(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                  int64_t num_actual_tokens, double scale) {
+                  int64_t num_actual_tokens, double scale, int64_t window = 0, const float* sinks = nullptr) {
   at::Tensor out = at::empty_like(q);
   if (num_actual_tokens < q.size(0)) out.narrow(0, num_actual_tokens, q.size(0) - num_actual_tokens).zero_();
   const auto qt = q.scalar_type();
   const auto ct = k_cache.scalar_type();
 #define AXON_ATTN_CASE(QT, QC, CT, CC)                                                               \
   if (qt == QT && ct == CT) {                                                                         \
-    run_attention<QC, CC>(q, out, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale); \
+    run_attention<QC, CC>(q, out, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, true, window, \
+                          sinks);                                                                        \
     return out;                                                                                       \
   }
   AXON_ATTN_CASE(at::kFloat, float, at::kFloat, float)
@@ -669,11 +699,22 @@ at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(false, "encoder_attention: unsupported dtype ", qt);
 }
 
+// A layer's sinks as the kernels read them: float32, one per query head; nullptr for none.
+const float* sinks_of(const at::Tensor& sinks, int64_t num_heads) {
+  if (!sinks.defined() || sinks.numel() == 0) return nullptr;
+  TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.is_contiguous() && sinks.numel() == num_heads,
+              "sinks must be a contiguous float32 tensor with one logit per query head (", num_heads, ")");
+  return sinks.data_ptr<float>();
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, int64_t num_actual_tokens, double scale) {
+                           const at::Tensor& seq_lens, int64_t num_actual_tokens, double scale, int64_t window,
+                           const std::optional<at::Tensor>& sinks) {
   check_metadata(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens);
-  return attend(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale);
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
+  return attend(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale, window,
+                sinks_of(sinks.value_or(at::Tensor()), q.size(1)));
 }
 
 // The largest finite value of a cache type: an FP8 cache saturates there (a plain conversion
@@ -755,13 +796,17 @@ struct AttentionStep {
   at::Tensor slot_mapping, block_table, query_start_loc, seq_lens;
   at::Tensor kv_scales;  // FP8 caches: float32 [layers, 2] (k_scale, v_scale); 0: set at the first write
   int64_t num_actual_tokens = -1;  // -1: no step is set
+  std::vector<int64_t> windows;     // per layer (0: full attention); empty: none anywhere
+  std::vector<at::Tensor> sinks;    // per layer, float32 [num_heads] or empty; empty list: none
 };
 thread_local AttentionStep t_step;
 
 void set_attention_step(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& query_start_loc,
                         const at::Tensor& seq_lens, int64_t num_actual_tokens,
-                        const std::optional<at::Tensor>& kv_scales) {
+                        const std::optional<at::Tensor>& kv_scales, at::IntArrayRef windows, at::TensorList sinks) {
+  TORCH_CHECK(windows.empty() || windows.size() == k_caches.size(), "one window per layer, or none");
+  TORCH_CHECK(sinks.empty() || sinks.size() == k_caches.size(), "one sinks tensor per layer, or none");
   TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size(), "one k and one v cache per layer");
   const bool fp8 = k_caches[0].element_size() == 1;
   TORCH_CHECK(!fp8 || (kv_scales.has_value() && kv_scales->scalar_type() == at::kFloat &&
@@ -782,8 +827,8 @@ void set_attention_step(at::TensorList k_caches, at::TensorList v_caches, const 
   const at::Tensor q_like = at::empty({num_actual_tokens, k_caches[0].size(2), k_caches[0].size(3)},
                                       k_caches[0].options());
   check_metadata(q_like, k_caches[0], v_caches[0], block_table, query_start_loc, seq_lens, num_actual_tokens);
-  t_step = AttentionStep{k_caches.vec(), v_caches.vec(), slot_mapping, block_table, query_start_loc, seq_lens,
-                         fp8 ? *kv_scales : at::Tensor(), num_actual_tokens};
+  t_step = AttentionStep{k_caches.vec(),  v_caches.vec(), slot_mapping, block_table, query_start_loc, seq_lens,
+                         fp8 ? *kv_scales : at::Tensor(), num_actual_tokens, windows.vec(), sinks.vec()};
 }
 
 void clear_attention_step() { t_step = AttentionStep{}; }
@@ -800,10 +845,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.dim() == 3 && q.size(0) >= step.num_actual_tokens && q.size(2) == k_cache.size(3) &&
                   q.size(1) % k_cache.size(2) == 0,
               "q of shape ", q.sizes(), " does not fit the step's caches ", k_cache.sizes());
+  const int64_t window = step.windows.empty() ? 0 : step.windows[layer];
+  const float* sinks = step.sinks.empty() ? nullptr : sinks_of(step.sinks[layer], q.size(1));
   if (!step.kv_scales.defined()) {
     write_kv(k, v, k_cache, v_cache, step.slot_mapping);
     return attend(q.contiguous(), k_cache, v_cache, step.block_table, step.query_start_loc, step.seq_lens,
-                  step.num_actual_tokens, scale);
+                  step.num_actual_tokens, scale, window, sinks);
   }
   // FP8: the cache holds k / k_scale and v / v_scale, so scores take k_scale into the softmax
   // scale and the output v_scale. A scale of 0 is calculated from this first write, as vLLM's
@@ -815,7 +862,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (scales[1] <= 0.0f) scales[1] = std::max(v.narrow(0, 0, n).abs().max().item<float>() / 100.0f, 1e-6f);
   write_kv(k, v, k_cache, v_cache, step.slot_mapping, scales[0], scales[1]);
   at::Tensor out = attend(q.contiguous(), k_cache, v_cache, step.block_table, step.query_start_loc,
-                          step.seq_lens, n, scale * scales[0]);
+                          step.seq_lens, n, scale * scales[0], window, sinks);
   if (scales[1] != 1.0f) out.mul_(scales[1]);
   return out;
 }
@@ -825,13 +872,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 TORCH_LIBRARY(axon_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-      "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, float scale) -> Tensor");
+      "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, float scale, int window=0, "
+      "Tensor? sinks=None) -> Tensor");
   m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor query_start_loc, float scale) -> Tensor");
   m.def("set_generic(bool generic) -> ()");
   m.def("set_batch_invariant(bool invariant) -> ()");
   m.def(
       "set_attention_step(Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
-      "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, Tensor? kv_scales=None) -> ()");
+      "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, Tensor? kv_scales=None, "
+      "int[] windows, Tensor[] sinks) -> ()");
   m.def("clear_attention_step() -> ()");
   m.def("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
 }

@@ -50,6 +50,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -487,8 +488,9 @@ TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
       "w8a8_linear(Tensor x, Tensor codes, Tensor w_scales, Tensor col_sums, int N, Tensor? bias, bool float_out) "
       "-> Tensor");
   m.def(
-      "fused_moe(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, bool renormalize, "
-      "int intermediate, int first_expert) -> Tensor");
+      "fused_moe(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, Tensor? w13_bias, Tensor? w2_bias, "
+      "int top_k, bool renormalize, int intermediate, int first_expert, int routing, int activation, float alpha, "
+      "float limit) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {

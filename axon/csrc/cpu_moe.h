@@ -2,12 +2,17 @@
 // kernels it calls): out = sum over a token's top-k experts e of w_e * down_e(silu(gate_e x) * up_e x).
 //
 //   x             [T, H] bf16
-//   router_logits [T, E] float32 or bf16; softmax over E in float32, the k largest probabilities
-//                 (ties: the lower expert id), divided by their sum when ``renormalize``
+//   router_logits [T, E] float32 or bf16, turned into k (expert, weight) pairs per token by
+//                 ``routing`` (ties: the lower expert id), in float32:
+//                   0 softmax over E, the k largest, divided by their sum when ``renormalize``
+//                   1 the k largest logits, softmax over just them (GPT-OSS)
 //   w13           [L, packed(2I x H)]: the gate rows then the up rows of experts first_expert ..
 //                 first_expert + L - 1 (this rank's under expert parallelism; all E without),
 //                 packed by pack_linear_weight
 //   w2            [L, packed(H x I)]
+//   w13_bias, w2_bias  optional float32 [L, 2I], [L, H], added to each expert's GEMM outputs
+//   activation    0 silu(gate) * up; 1 GPT-OSS's: gate clamped above at limit, up to
+//                 [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)
 //
 // A slot routed to an expert outside this rank's range adds nothing here (another rank's
 // all-reduce brings it).
@@ -23,9 +28,29 @@
 
 constexpr int64_t kMoeChunk = 1024;  // tokens per pass: buffers of kMoeChunk * k rows
 
-// Expert ids (descending probability, ties to the lower id) and weights of one token's top k.
-inline void route_token(const float* logits, int64_t E, int64_t k, bool renormalize, int32_t* ids, float* weights,
-                        float* probs) {
+// Expert ids (descending logit, ties to the lower id) and weights of one token's top k.
+inline void route_token(const float* logits, int64_t E, int64_t k, bool renormalize, int64_t routing, int32_t* ids,
+                        float* weights, float* probs) {
+  if (routing == 1) {  // the k largest logits, then a softmax over them
+    float* taken = probs;  // 1 once picked (built with -ffast-math: no infinity as a marker)
+    for (int64_t e = 0; e < E; ++e) taken[e] = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        if (taken[e] == 0.f && (best < 0 || logits[e] > logits[best])) best = e;
+      }
+      ids[j] = static_cast<int32_t>(best);
+      weights[j] = logits[best];
+      taken[best] = 1.f;
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; ++j) {  // weights[0] is the largest
+      weights[j] = std::exp(weights[j] - weights[0]);
+      sum += weights[j];
+    }
+    for (int64_t j = 0; j < k; ++j) weights[j] /= sum;
+    return;
+  }
   float max_logit = logits[0];
   for (int64_t e = 1; e < E; ++e) max_logit = std::max(max_logit, logits[e]);
   float sum = 0.f;
@@ -51,8 +76,9 @@ inline void route_token(const float* logits, int64_t E, int64_t k, bool renormal
 }
 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w13,
-                     const at::Tensor& w2, int64_t top_k, bool renormalize, int64_t intermediate,
-                     int64_t first_expert) {
+                     const at::Tensor& w2, const std::optional<at::Tensor>& w13_bias,
+                     const std::optional<at::Tensor>& w2_bias, int64_t top_k, bool renormalize, int64_t intermediate,
+                     int64_t first_expert, int64_t routing, int64_t activation, double alpha, double limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "fused_moe takes x as a [tokens, hidden] bfloat16 tensor");
   TORCH_CHECK(router_logits.dim() == 2 && router_logits.size(0) == x.size(0),
               "router_logits must be [tokens, experts] for the tokens of x");
@@ -69,6 +95,20 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
   TORCH_CHECK(w2.dim() == 2 && w2.size(0) == L && w2.size(1) == w2_size && w2.is_contiguous() &&
                   w2.scalar_type() == at::kBFloat16,
               "w2 must hold ", L, " packed [", H, ", ", I, "] bf16 weights");
+  TORCH_CHECK(routing == 0 || routing == 1, "routing must be 0 (softmax, top-k) or 1 (top-k, softmax), got ", routing);
+  TORCH_CHECK(activation == 0 || activation == 1, "activation must be 0 (silu) or 1 (swigluoai), got ", activation);
+  const bool has_bias = w13_bias.has_value() && w13_bias->defined();
+  TORCH_CHECK(has_bias == (w2_bias.has_value() && w2_bias->defined()), "give both expert biases or neither");
+  at::Tensor b13, b2;
+  if (has_bias) {
+    b13 = w13_bias->to(at::kFloat).contiguous();
+    b2 = w2_bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b13.numel() == L * 2 * I && b2.numel() == L * H, "expert biases must be [", L, ", ", 2 * I, "] and [",
+                L, ", ", H, "]");
+  }
+  const float* b13p = has_bias ? b13.data_ptr<float>() : nullptr;
+  const float* b2p = has_bias ? b2.data_ptr<float>() : nullptr;
+  const float alpha_f = static_cast<float>(alpha), limit_f = static_cast<float>(limit);
   const at::Tensor xc = x.contiguous();
   const at::Tensor logits = router_logits.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({T, H}, x.options());
@@ -91,7 +131,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> probs(E);
       for (int64_t t = begin; t < end; ++t) {
-        route_token(lp + t * E, E, K, renormalize, ids.data() + t * K, weights.data() + t * K, probs.data());
+        route_token(lp + t * E, E, K, renormalize, routing, ids.data() + t * K, weights.data() + t * K, probs.data());
       }
     });
     // Counting sort of the n * K slots by local expert (stable: tokens in order within an expert).
@@ -114,8 +154,8 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
     for (int64_t e = 0; e < L; ++e) {
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
       if (rows == 0) continue;
-      run_linear_on_best_path<float>(xs.data() + r0 * H, rows, H, w13p + e * w13_size, 2 * I, nullptr,
-                                     h.data() + r0 * 2 * I);
+      run_linear_on_best_path<float>(xs.data() + r0 * H, rows, H, w13p + e * w13_size, 2 * I,
+                                     has_bias ? b13p + e * 2 * I : nullptr, h.data() + r0 * 2 * I);
     }
     at::parallel_for(0, rows_here, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
@@ -124,20 +164,26 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
         c10::BFloat16* a = reinterpret_cast<c10::BFloat16*>(act.data()) + r * I;
         for (int64_t i = 0; i < I; i += 16) {
           const int64_t m = std::min<int64_t>(16, I - i);
-          const __m512 g = load_n(gate + i, m);
-          // sigmoid(g) from e = e^-|g| <= 1 (as silu_and_mul computes it)
-          const __m512 ex = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-          const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+          __m512 g = load_n(gate + i, m), u = load_n(up + i, m);
           const __m512 one = _mm512_set1_ps(1.0f);
+          if (activation == 1) {  // swigluoai
+            g = _mm512_min_ps(g, _mm512_set1_ps(limit_f));
+            u = _mm512_add_ps(_mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(limit_f)), _mm512_set1_ps(-limit_f)), one);
+          }
+          // sigmoid(z) from e = e^-|z| <= 1 (as silu_and_mul computes it); z = g, or alpha * g
+          const __m512 z = activation == 1 ? _mm512_mul_ps(g, _mm512_set1_ps(alpha_f)) : g;
+          const __m512 ex = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
+          const __mmask16 neg = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
           const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, ex), _mm512_add_ps(one, ex));
-          store_n(a + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), load_n(up + i, m)), m);
+          store_n(a + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), u), m);
         }
       }
     });
     for (int64_t e = 0; e < L; ++e) {
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
       if (rows == 0) continue;
-      run_linear_on_best_path<float>(act.data() + r0 * I, rows, I, w2p + e * w2_size, H, nullptr, y.data() + r0 * H);
+      run_linear_on_best_path<float>(act.data() + r0 * I, rows, I, w2p + e * w2_size, H,
+                                     has_bias ? b2p + e * H : nullptr, y.data() + r0 * H);
     }
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -160,8 +206,9 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& router_logits, const
 
 #else
 
-at::Tensor fused_moe(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
-                     int64_t, int64_t) {
+at::Tensor fused_moe(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, bool, int64_t,
+                     int64_t, int64_t, int64_t, double, double) {
   TORCH_CHECK(false, "fused_moe needs a CPU with AVX-512 BF16 (see linear_supported())");
 }
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from axon.model.models.bert import BertModel
 from axon.model.models.decoder_embedding import as_embedding_model
+from axon.model.models.gpt_oss import GptOssForCausalLM
 from axon.model.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -26,6 +27,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaModel": as_embedding_model(LlamaForCausalLM),
     "MistralModel": as_embedding_model(MistralForCausalLM),
     "Qwen2Model": as_embedding_model(Qwen2ForCausalLM),

@@ -199,7 +199,9 @@ def _register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], N, dtype=torch.float32 if float_out else x.dtype)
 
     @torch.library.register_fake("axon_cpu::fused_moe")
-    def _(x, router_logits, w13, w2, top_k, renormalize, intermediate, first_expert):
+    def _(
+        x, router_logits, w13, w2, w13_bias, w2_bias, top_k, renormalize, intermediate, first_expert, *rest
+    ):
         return torch.empty_like(x)
 
     @torch.library.register_fake("axon_cpu::attention")
@@ -237,5 +239,16 @@ def _register_fakes() -> None:
         return q.new_empty(q.shape), k.new_empty(k.shape)
 
     @torch.library.register_fake("axon_cpu::paged_attention")
-    def _(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale):
+    def _(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        num_actual_tokens,
+        scale,
+        window=0,
+        sinks=None,
+    ):
         return torch.empty_like(q)

@@ -134,24 +134,40 @@ def test_speculative_steps_fit_every_backend(kernel_cache_root: str) -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=backend.name)
 
 
-@pytest.mark.parametrize("window, sinks", [(3, False), (None, True), (5, True)])
-def test_sliding_window_and_sinks(window: int | None, sinks: bool) -> None:
+@pytest.mark.parametrize(
+    "head_dim", [8, 64]
+)  # cpu_flash: its plain loops; its AVX-512 kernel where the CPU has it
+@pytest.mark.parametrize("window, sinks", [(3, False), (None, True), (5, True), (20, True)])
+def test_sliding_window_and_sinks(
+    kernel_cache_root: str, window: int | None, sinks: bool, head_dim: int
+) -> None:
     heads = 4
     spec = AttentionSpec(
-        heads, 2, 8, 8**-0.5, sliding_window=window, sinks=torch.linspace(-1.0, 2.0, heads) if sinks else None
+        heads,
+        2,
+        head_dim,
+        head_dim**-0.5,
+        sliding_window=window,
+        sinks=torch.linspace(-1.0, 2.0, heads) if sinks else None,
     )
-    q, k_cache, v_cache, common, segments = _paged_case(2, [(13, 4), (9, 1), (7, 7), (11, 1)], spec)
-    backend = ReferenceAttentionBackend()
-    got = backend.forward(q, k_cache, v_cache, backend.build_metadata(common), spec)
-    torch.testing.assert_close(got, _naive_paged(q, k_cache, v_cache, segments, spec), atol=1e-5, rtol=1e-5)
+    # Ragged: prefill segments past the window, decodes, a segment over a cached prefix, and a
+    # 40-token prefill whose rows span several 16-key tiles on both sides of the window.
+    reqs = [(13, 4), (9, 1), (7, 7), (11, 1), (40, 40), (37, 3)]
+    q, k_cache, v_cache, common, segments = _paged_case(2, reqs, spec)
+    want = _naive_paged(q, k_cache, v_cache, segments, spec)
+    for backend in backends(kernel_cache_root):
+        if backend.name == "cpu_paged":
+            continue  # it has neither (test_backends_refuse_layer_features_they_lack)
+        got = backend.forward(q, k_cache, v_cache, backend.build_metadata(common), spec)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=backend.name)
 
 
-def test_backends_refuse_layer_features_they_lack(kernel_cache_root: str) -> None:
-    for backend in backends(kernel_cache_root)[1:]:
-        with pytest.raises(ValueError, match=f"'{backend.name}' does not implement sliding-window"):
-            Attention(4, 2, 8, backend, sliding_window=128)
-        with pytest.raises(ValueError, match=f"'{backend.name}' does not implement attention sinks"):
-            Attention(4, 2, 8, backend, sinks=torch.zeros(4))
+def test_backends_refuse_layer_features_they_lack() -> None:
+    backend = get_attention_backend("cpu_paged")
+    with pytest.raises(ValueError, match="'cpu_paged' does not implement sliding-window"):
+        Attention(4, 2, 8, backend, sliding_window=128)
+    with pytest.raises(ValueError, match="'cpu_paged' does not implement attention sinks"):
+        Attention(4, 2, 8, backend, sinks=torch.zeros(4))
 
 
 def test_encoder_only_layers_attend_each_sequence_whole(kernel_cache_root: str) -> None:

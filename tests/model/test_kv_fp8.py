@@ -63,6 +63,8 @@ def _step(flash: CpuFlashAttentionBackend, case, k, v, scales: torch.Tensor) -> 
         metadata.seq_lens,
         case.metadata.num_actual_tokens,
         scales,
+        [],  # no sliding windows
+        [],  # no sinks
     )
     try:
         return torch.ops.axon_cpu.attention(case.q, k, v, 0, case.spec.scale)

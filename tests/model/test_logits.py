@@ -9,7 +9,17 @@ import transformers as tf
 from axon import LLM
 from axon.worker.logit_validation import teacher_forced_logits
 
-FAMILIES = ["llama", "llama3", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_step2", "mistral"]
+FAMILIES = [
+    "llama",
+    "llama3",
+    "llama_tied",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_moe_step2",
+    "gpt_oss",
+    "mistral",
+]
 
 
 def _axon_model(folder: str, block_size: int = 4, linear_backend: str = "auto"):

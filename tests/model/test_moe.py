@@ -13,7 +13,7 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 
 from axon import LLM
-from axon.model.layers.moe import FusedMoE, moe_loop, pack_experts, route
+from axon.model.layers.moe import FusedMoE, MoeMath, moe_loop, pack_experts, route
 from axon.worker.logit_validation import teacher_forced_logits
 
 CASES = [
@@ -30,7 +30,7 @@ def _block(
     experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool, seed: int
 ) -> FusedMoE:
     gen = torch.Generator().manual_seed(seed)
-    block = FusedMoE(experts, top_k, hidden, intermediate, renormalize)
+    block = FusedMoE(experts, hidden, intermediate, MoeMath(top_k, renormalize))
     with torch.no_grad():
         block.w13_weight.copy_(torch.randn(block.w13_weight.shape, generator=gen) * 0.1)
         block.w2_weight.copy_(torch.randn(block.w2_weight.shape, generator=gen) * 0.1)
@@ -49,7 +49,7 @@ def _inputs(tokens: int, hidden: int, experts: int, seed: int) -> tuple[torch.Te
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_routing_picks_the_top_k_by_probability(renormalize: bool) -> None:
     logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
-    weights, ids = route(logits, 3, renormalize)
+    weights, ids = route(logits, MoeMath(3, renormalize))
     probs = torch.softmax(logits, dim=-1)
     for t in range(50):
         assert len(set(ids[t].tolist())) == 3
@@ -66,7 +66,7 @@ def test_the_loop_equals_a_dense_sum_over_every_expert() -> None:
     weighted; computed here for every (token, expert) pair and masked."""
     block = _block(6, 2, 32, 24, True, seed=3)
     x, logits = _inputs(20, 32, 6, seed=4)
-    weights, ids = route(logits, 2, True)
+    weights, ids = route(logits, MoeMath(2, True))
     dense = torch.zeros(20, 32)
     for e in range(6):
         gate, up = (x @ block.w13_weight[e].T).chunk(2, dim=-1)
@@ -85,9 +85,7 @@ def test_the_fused_op_equals_the_loop(
     x = x.bfloat16()
     # The oracle in float32 on the same (bf16) weights; the fused op accumulates in float32
     # and rounds to bf16 where the GEMMs take their inputs, so it lands within bf16's error.
-    expected = moe_loop(
-        x.float(), logits, block.w13_weight.float(), block.w2_weight.float(), top_k, renormalize
-    )
+    expected = moe_loop(x.float(), logits, block.w13_weight.float(), block.w2_weight.float(), block.math)
     assert pack_experts(block) == 1 and block.method == "fused"
     with torch.inference_mode():
         got = block(x, logits)
@@ -116,7 +114,7 @@ def test_ranks_holding_half_the_experts_each_sum_to_the_whole(bf16_kernel: None,
     whole = _block(8, 2, 64, 48, True, seed=14).bfloat16()
     halves = []
     for first in (0, 4):
-        half = FusedMoE(8, 2, 64, 48, True, first_expert=first, num_local_experts=4).bfloat16()
+        half = FusedMoE(8, 64, 48, MoeMath(2, True), first_expert=first, num_local_experts=4).bfloat16()
         with torch.no_grad():
             half.w13_weight.copy_(whole.w13_weight[first : first + 4])
             half.w2_weight.copy_(whole.w2_weight[first : first + 4])
@@ -141,11 +139,43 @@ def test_the_fused_op_rejects_bad_input(bf16_kernel: None) -> None:
     with pytest.raises(RuntimeError, match="router_logits"):
         block(x.bfloat16(), logits[:2])
     with pytest.raises(RuntimeError, match="top_k"):
-        torch.ops.axon_cpu.fused_moe(x.bfloat16(), logits, block.w13_packed, block.w2_packed, 5, False, 32, 0)
+        torch.ops.axon_cpu.fused_moe(
+            x.bfloat16(),
+            logits,
+            block.w13_packed,
+            block.w2_packed,
+            None,
+            None,
+            5,
+            False,
+            32,
+            0,
+            0,
+            0,
+            1.0,
+            1.0,
+        )
     with pytest.raises(RuntimeError, match="not among the router's 4"):
-        torch.ops.axon_cpu.fused_moe(x.bfloat16(), logits, block.w13_packed, block.w2_packed, 2, False, 32, 1)
+        torch.ops.axon_cpu.fused_moe(
+            x.bfloat16(),
+            logits,
+            block.w13_packed,
+            block.w2_packed,
+            None,
+            None,
+            2,
+            False,
+            32,
+            1,
+            0,
+            0,
+            1.0,
+            1.0,
+        )
     with pytest.raises(ValueError, match="num_experts_per_tok 5"):
-        FusedMoE(4, 5, 64, 32, False)
+        FusedMoE(4, 64, 32, MoeMath(5, False))
+    with pytest.raises(ValueError, match="MoE activation 'gelu'"):
+        MoeMath(2, activation="gelu")
 
 
 def test_the_fused_op_runs_in_a_compiled_graph(bf16_kernel: None) -> None:

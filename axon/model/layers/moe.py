@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,35 +37,77 @@ from torch import nn
 _layers: dict[int, weakref.ReferenceType[FusedMoE]] = {}
 _handles = itertools.count()
 
+# How a block turns router logits into weights (the index is the fused op's code):
+#   softmax_topk  softmax over the experts, the k largest, renormalized when asked (Qwen3-MoE)
+#   topk_softmax  the k largest logits, softmax over just them (GPT-OSS)
+ROUTINGS = ("softmax_topk", "topk_softmax")
+# What joins an expert's gate and up halves:
+#   silu       silu(gate) * up
+#   swigluoai  GPT-OSS's: gate clamped above at limit, up to [-limit, limit],
+#              gate * sigmoid(alpha * gate) * (up + 1)
+ACTIVATIONS = ("silu", "swigluoai")
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+
+@dataclass(frozen=True)
+class MoeMath:
+    """What a block computes besides its weights."""
+
+    top_k: int
+    renormalize: bool = True  # softmax_topk: divide the k probabilities by their sum
+    routing: str = "softmax_topk"
+    activation: str = "silu"
+    alpha: float = 1.702  # swigluoai
+    limit: float = 7.0  # swigluoai
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"MoE routing {self.routing!r} is not one of {', '.join(ROUTINGS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoE activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+
+
+def route(router_logits: torch.Tensor, math: MoeMath) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, k], expert ids int64 [T, k]) of each token's top-k experts."""
+    if math.routing == "topk_softmax":
+        top, ids = torch.topk(router_logits.float(), math.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
+    weights, ids = torch.topk(probs, math.top_k, dim=-1)
+    if math.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def activate(gate_up: torch.Tensor, math: MoeMath) -> torch.Tensor:
+    """[..., 2I] (the gate half, then the up half) -> [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if math.activation == "swigluoai":
+        gate, up = gate.clamp(max=math.limit), up.clamp(-math.limit, math.limit)
+        return gate * torch.sigmoid(gate * math.alpha) * (up + 1)
+    return F.silu(gate) * up
 
 
 def moe_loop(
     x: torch.Tensor,  # [T, H]
     router_logits: torch.Tensor,  # [T, E]
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
-    top_k: int,
-    renormalize: bool,
+    w13: torch.Tensor,  # [L, 2I, H]
+    w2: torch.Tensor,  # [L, H, I]
+    math: MoeMath,
     first_expert: int = 0,
+    w13_bias: torch.Tensor | None = None,  # [L, 2I]
+    w2_bias: torch.Tensor | None = None,  # [L, H]
 ) -> torch.Tensor:
     """The block as a loop over the experts that were picked: [T, H] in x's dtype. w13 and w2
-    hold experts first_expert .. first_expert + len(w13) - 1; slots of the others add nothing."""
-    weights, ids = route(router_logits, top_k, renormalize)
+    hold experts first_expert .. first_expert + L - 1; slots of the others add nothing."""
+    weights, ids = route(router_logits, math)
     out = torch.zeros_like(x)
     for expert in torch.unique(ids).tolist():
-        if not 0 <= expert - first_expert < w13.shape[0]:
+        e = expert - first_expert
+        if not 0 <= e < w13.shape[0]:
             continue
         token, slot = torch.where(ids == expert)
-        gate, up = F.linear(x[token], w13[expert - first_expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert - first_expert])
+        h = F.linear(x[token], w13[e], None if w13_bias is None else w13_bias[e])
+        y = F.linear(activate(h, math), w2[e], None if w2_bias is None else w2_bias[e])
         out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
     return out
 
@@ -79,18 +122,20 @@ class FusedMoE(nn.Module):
     def __init__(
         self,
         num_experts: int,
-        top_k: int,
         hidden_size: int,
         intermediate_size: int,
-        renormalize: bool,
+        math: MoeMath,
         first_expert: int = 0,
         num_local_experts: int | None = None,
         intermediate_start: int = 0,
+        bias: bool = False,
     ) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        if not 1 <= math.top_k <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {math.top_k} must be between 1 and num_experts {num_experts}"
+            )
+        self.num_experts, self.math, self.top_k = num_experts, math, math.top_k
         self.first_expert = first_expert
         self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
@@ -98,6 +143,8 @@ class FusedMoE(nn.Module):
         local = self.num_local_experts
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size))
+        self.w13_bias = nn.Parameter(torch.empty(local, 2 * intermediate_size)) if bias else None
+        self.w2_bias = nn.Parameter(torch.empty(local, hidden_size)) if bias else None
         self.method = "loop"
         self.handle = next(_handles)
         _layers[self.handle] = weakref.ref(self)
@@ -112,13 +159,20 @@ class FusedMoE(nn.Module):
         del self.w13_weight, self.w2_weight
         self.register_buffer("w13_packed", w13, persistent=False)
         self.register_buffer("w2_packed", w2, persistent=False)
+        if self.w13_bias is not None:  # the kernel adds them in float32
+            biases = self.w13_bias.detach().float(), self.w2_bias.detach().float()
+            del self.w13_bias, self.w2_bias
+            self.register_buffer("w13_bias", biases[0], persistent=False)
+            self.register_buffer("w2_bias", biases[1], persistent=False)
         self.method = "fused"
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.method == "fused":
+            m = self.math
             return torch.ops.axon_cpu.fused_moe(
-                x, router_logits, self.w13_packed, self.w2_packed, self.top_k, self.renormalize,
-                self.intermediate_size, self.first_expert,
+                x, router_logits, self.w13_packed, self.w2_packed, self.w13_bias, self.w2_bias, m.top_k,
+                m.renormalize, self.intermediate_size, self.first_expert, ROUTINGS.index(m.routing),
+                ACTIVATIONS.index(m.activation), m.alpha, m.limit,
             )  # fmt: skip
         if torch.compiler.is_compiling():
             return torch.ops.axon.moe_loop(x, router_logits, self.handle)
@@ -126,7 +180,14 @@ class FusedMoE(nn.Module):
 
     def run_loop(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return moe_loop(
-            x, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize, self.first_expert
+            x,
+            router_logits,
+            self.w13_weight,
+            self.w2_weight,
+            self.math,
+            self.first_expert,
+            self.w13_bias,
+            self.w2_bias,
         )
 
     def extra_repr(self) -> str:
@@ -135,7 +196,8 @@ class FusedMoE(nn.Module):
             local = f"local_experts={self.first_expert}..{self.first_expert + self.num_local_experts - 1}, "
         return (
             f"num_experts={self.num_experts}, {local}top_k={self.top_k}, hidden_size={self.hidden_size}, "
-            f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}, method={self.method}"
+            f"intermediate_size={self.intermediate_size}, routing={self.math.routing}, "
+            f"activation={self.math.activation}, bias={self.w13_bias is not None}, method={self.method}"
         )
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from axon.platforms.cpu_kernels import use_cpu_kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -39,6 +39,8 @@ def _inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.T
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -51,6 +53,47 @@ def _inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.T
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _yarn_inv_freq(
+    extrapolation: torch.Tensor, rotary_dim: int, theta: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN (transformers' ``_compute_yarn_parameters``): the original frequencies for the
+    dimensions that rotate fast within the original context, the interpolated ones (divided by
+    ``factor``) for the slow ones, a linear ramp between ``beta_fast`` and ``beta_slow`` rotations."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each dimension's original frequency
+    return extrapolation / factor * (1 - keep) + extrapolation * keep
+
+
+def attention_factor(scaling: dict[str, Any]) -> float:
+    """What YaRN multiplies cos and sin by (``attention_factor``, else 0.1 ln(factor) + 1, with
+    DeepSeek's mscale / mscale_all_dim where given); 1 for every other rope type."""
+    if scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,8 +116,9 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.cos_cached = emb.cos().to(device)
-        self.sin_cached = emb.sin().to(device)
+        scale = attention_factor(self.scaling)
+        self.cos_cached = (emb.cos() * scale).to(device)
+        self.sin_cached = (emb.sin() * scale).to(device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

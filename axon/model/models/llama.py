@@ -22,7 +22,7 @@ from axon.distributed.parallel_state import expert_parallel, tp_all_reduce
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.attention.layer import Attention
 from axon.model.layers.linear import MergedLinear
-from axon.model.layers.moe import FusedMoE
+from axon.model.layers.moe import FusedMoE, MoeMath
 from axon.model.layers.norm import RMSNorm
 from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
 from axon.model.layers.tensor_parallel import (
@@ -141,10 +141,9 @@ class SparseMoeBlock(nn.Module):
             first_col, width = split(arch.moe_intermediate_size, "moe_intermediate_size")
         self.experts = FusedMoE(
             arch.num_experts,
-            arch.num_experts_per_tok,
             arch.hidden_size,
             width,
-            renormalize=arch.norm_topk_prob,
+            MoeMath(arch.num_experts_per_tok, renormalize=arch.norm_topk_prob),
             first_expert=first_expert,
             num_local_experts=num_local,
             intermediate_start=first_col,

@@ -40,9 +40,15 @@ def _fused_layer_op(
     return torch.ops.axon_cpu.attention(q, k, v, layer_idx, scale)
 
 
+def _sinks_f32(spec: AttentionSpec) -> torch.Tensor | None:
+    return None if spec.sinks is None else spec.sinks.detach().float().contiguous()
+
+
 class CpuFlashAttentionBackend(AttentionBackend):
     name = "cpu_flash"
     fused_layer_op = staticmethod(_fused_layer_op)
+    supports_sliding_window = True
+    supports_sinks = True
 
     def __init__(self, cache_root: str | None = None) -> None:
         if not load_cpu_kernels(cache_root or default_cache_root()):
@@ -76,7 +82,18 @@ class CpuFlashAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             common.num_actual_tokens,
             layers[0].kv_scales,
+            *self._layer_extras(layers),
         )
+
+    def _layer_extras(self, layers: Sequence[Attention]) -> tuple[list[int], list[torch.Tensor]]:
+        """Each layer's sliding window (0: none) and float32 sinks (empty: none), or two empty
+        lists when no layer has either (the kernels' plain path)."""
+        specs = [layer.spec for layer in layers]
+        if all(s.sliding_window is None and s.sinks is None for s in specs):
+            return [], []
+        empty = torch.empty(0)
+        windows = [s.sliding_window or 0 for s in specs]
+        return windows, [empty if s.sinks is None else _sinks_f32(s) for s in specs]
 
     def end_step(self) -> None:
         torch.ops.axon_cpu.clear_attention_step()
@@ -111,4 +128,6 @@ class CpuFlashAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             common.num_actual_tokens,
             spec.scale,
+            spec.sliding_window or 0,
+            _sinks_f32(spec),
         )

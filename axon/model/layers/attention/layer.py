@@ -14,6 +14,8 @@ and the step's metadata in the forward context:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -44,8 +46,11 @@ class Attention(nn.Module):
         assert num_heads % num_kv_heads == 0, (
             f"{num_heads} heads are not a multiple of {num_kv_heads} KV heads"
         )
+        # Sinks are the layer's own parameter (``attn.sinks``), so that loading the model fills them;
+        # the spec points at them again once the model is loaded (bind_kv_cache).
+        self.sinks = None if sinks is None else nn.Parameter(sinks, requires_grad=False)
         self.spec = AttentionSpec(
-            num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_type, sliding_window, sinks
+            num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_type, sliding_window, self.sinks
         )
         backend.check_spec(self.spec)
         self.backend = backend
@@ -67,6 +72,8 @@ class Attention(nn.Module):
     ) -> None:
         assert (kv_cache is not None) == self.is_decoder, "decoder layers, and only they, have a KV cache"
         self.layer_idx, self.kv_cache, self.kv_scales = layer_idx, kv_cache, kv_scales
+        if self.sinks is not None:  # materialised and loaded since __init__
+            self.spec = dataclasses.replace(self.spec, sinks=self.sinks)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, H, D]; k, v [T, KVH, D] -> [T, H, D]

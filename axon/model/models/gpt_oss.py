@@ -1,0 +1,301 @@
+"""GPT-OSS (``GptOssForCausalLM``, OpenAI's open-weight mixture-of-experts models).
+
+A Llama-shaped decoder with its own parts:
+
+- attention with biased q/k/v/o projections and **sinks** (a learned per-head logit that joins
+  every softmax's denominator and attends to nothing), alternating ``sliding_attention`` layers
+  (each query reads only the last ``sliding_window`` keys) and ``full_attention`` layers
+  (``layer_types``), rotary embeddings with YaRN scaling;
+- every MLP a mixture of experts (``axon/model/layers/moe.py``): a biased router whose k largest
+  logits are softmaxed (``topk_softmax``), experts with biases and the clamped SwiGLU
+  ``swigluoai`` (gate * sigmoid(alpha * gate) * (up + 1), gate and up clamped at ``swiglu_limit``).
+
+Checkpoints: Hugging Face's names. The experts come stacked, ``mlp.experts.gate_up_proj``
+[E, H, 2I] with gate and up interleaved column by column (gate = 0::2, up = 1::2) and
+``down_proj`` [E, I, H] (both ``x @ W``), or quantized to MXFP4 (``*_blocks`` and ``*_scales``,
+as OpenAI ships them), dequantized once at load (``axon/model/loader/mxfp4.py``); they load
+into ``FusedMoE``'s [E, 2I (gate, up), H] and [E, H, I].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from axon.model.layers.attention import AttentionBackend
+from axon.model.layers.attention.layer import Attention
+from axon.model.layers.linear import MergedLinear
+from axon.model.layers.moe import FusedMoE, MoeMath
+from axon.model.layers.norm import RMSNorm
+from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
+from axon.model.layers.tensor_parallel import VocabParallelEmbedding
+from axon.model.loader.mxfp4 import dequantize_mxfp4
+from axon.model.loader.safetensors_loader import LazyTensor
+from axon.model.models.llama import STACKED_PARAMS
+from axon.model.models.weights import load_by_name
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class GptOssArch:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any]
+    max_position: int
+    tie_word_embeddings: bool
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # each expert's
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    swiglu_alpha: float
+    swiglu_limit: float
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> GptOssArch:
+        num_layers = cfg["num_hidden_layers"]
+        layer_types = tuple(
+            cfg.get("layer_types")
+            or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        )
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if len(layer_types) != num_layers or unknown:
+            raise ValueError(
+                f"layer_types must name {num_layers} layers, each one of {', '.join(LAYER_TYPES)}; got {list(layer_types)}"
+            )
+        theta, scaling = rope_parameters(cfg)
+        return GptOssArch(
+            hidden_size=cfg["hidden_size"],
+            num_layers=num_layers,
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position=cfg.get("max_position_embeddings", 131072),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_experts=cfg.get("num_local_experts", cfg.get("num_experts", 0)),
+            num_experts_per_tok=cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4)),
+            intermediate_size=cfg["intermediate_size"],
+            sliding_window=cfg.get("sliding_window") or 128,
+            layer_types=layer_types,
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        )
+
+
+class GptOssAttention(nn.Module):
+    def __init__(
+        self, arch: GptOssArch, rotary: RotaryEmbedding, backend: AttentionBackend, index: int
+    ) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.qkv_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
+        self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=True)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=True)
+        self.rotary = rotary
+        window = arch.sliding_window if arch.layer_types[index] == "sliding_attention" else None
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            d,
+            backend,
+            sliding_window=window,
+            sinks=torch.empty(self.num_heads),
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).reshape(t, -1))
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, arch: GptOssArch) -> None:
+        super().__init__()
+        self.router = nn.Linear(arch.hidden_size, arch.num_experts, bias=True)
+        math = MoeMath(
+            arch.num_experts_per_tok,
+            routing="topk_softmax",
+            activation="swigluoai",
+            alpha=arch.swiglu_alpha,
+            limit=arch.swiglu_limit,
+        )
+        self.experts = FusedMoE(arch.num_experts, arch.hidden_size, arch.intermediate_size, math, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.router(x))
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(
+        self, arch: GptOssArch, rotary: RotaryEmbedding, backend: AttentionBackend, index: int
+    ) -> None:
+        super().__init__()
+        self.self_attn = GptOssAttention(arch, rotary, backend, index)
+        self.mlp = GptOssMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
+        return self.mlp(h), residual
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, arch: GptOssArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_theta, arch.rope_scaling)
+        self.layers = nn.ModuleList(
+            GptOssDecoderLayer(arch, rotary, backend, i) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+class GptOssForCausalLM(nn.Module):
+    """forward(input_ids, positions) -> hidden states; compute_logits(hidden) -> [N, vocab]."""
+
+    stacked_params = STACKED_PARAMS
+    supports_tensor_parallel = False
+
+    @classmethod
+    def arch_from_hf(cls, hf_config: dict[str, Any]) -> GptOssArch:
+        return GptOssArch.from_hf(hf_config)
+
+    def __init__(self, hf_config: dict[str, Any], backend: AttentionBackend) -> None:
+        super().__init__()
+        self.arch = self.arch_from_hf(hf_config)
+        self.model = GptOssModel(self.arch, backend)
+        self.lm_head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face's names; the stacked experts (plain or MXFP4) into ``FusedMoE``'s layout."""
+        blocks = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
+        loaded: set[str] = set()
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 tensor -> its blocks and scales
+
+        def load_experts(name: str, tensor: torch.Tensor) -> None:
+            block_name, _, leaf = name.rpartition(".")
+            block = blocks.get(block_name)
+            target_name = _EXPERT_TARGETS.get(leaf)
+            if block is None or target_name is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            e, h, i = block.num_experts, block.hidden_size, block.intermediate_size
+            expected = {
+                "gate_up_proj": (e, h, 2 * i),
+                "gate_up_proj_bias": (e, 2 * i),
+                "down_proj": (e, i, h),
+                "down_proj_bias": (e, h),
+            }[leaf]
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
+                )
+            if leaf.startswith("gate_up_proj"):  # columns interleave gate and up: gate first, then up
+                tensor = torch.cat([tensor[..., 0::2], tensor[..., 1::2]], dim=-1)
+            if leaf in ("gate_up_proj", "down_proj"):  # x @ W -> nn.Linear's [out, in]
+                tensor = tensor.transpose(1, 2)
+            if f"{block_name}.{target_name}" in loaded:
+                raise ValueError(f"checkpoint tensor {name!r} is given twice")
+            with torch.no_grad():
+                getattr(block, target_name).copy_(tensor)
+            loaded.add(f"{block_name}.{target_name}")
+
+        def the_rest() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if ".mlp.experts." not in name:
+                    yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
+                    continue
+                tensor = tensor.read() if isinstance(tensor, LazyTensor) else tensor
+                base, kind = _mxfp4_part(name)
+                if kind is None:
+                    load_experts(name, tensor)
+                    continue
+                parts = pending.setdefault(base, {})
+                parts[kind] = tensor
+                if len(parts) == 2:  # both halves seen: [E, out, in/32, 16] codes, [E, out, in/32] exponents
+                    w = dequantize_mxfp4(
+                        parts["blocks"], parts["scales"], self.model.embed_tokens.weight.dtype
+                    )
+                    load_experts(base, w.transpose(1, 2))  # [E, out, in] -> the checkpoint's x @ W layout
+                    del pending[base]
+
+        tied = self.arch.tie_word_embeddings
+
+        def rename(name: str) -> str | None:
+            if name == "lm_head.weight" and tied:
+                return None
+            return name
+
+        experts = {f"{b}.{t}" for b in blocks for t in set(_EXPERT_TARGETS.values())}
+        optional = experts | ({"lm_head.weight"} if tied else set())
+        load_by_name(self, the_rest(), rename, frozenset(optional), STACKED_PARAMS)
+        if pending:
+            name = next(iter(pending))
+            missing = "scales" if "blocks" in pending[name] else "blocks"
+            raise ValueError(f"checkpoint has {name}_{next(iter(pending[name]))} but no {name}_{missing}")
+        missing = sorted(experts - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks the experts' {missing[0]} (and {len(missing) - 1} more)")
+
+
+# Hugging Face's stacked expert tensors -> FusedMoE's parameters.
+_EXPERT_TARGETS = {
+    "gate_up_proj": "w13_weight",
+    "gate_up_proj_bias": "w13_bias",
+    "down_proj": "w2_weight",
+    "down_proj_bias": "w2_bias",
+}
+
+
+def _mxfp4_part(name: str) -> tuple[str, str | None]:
+    """(``...gate_up_proj``, "blocks" | "scales") for an MXFP4 half; (name, None) otherwise."""
+    for kind in ("blocks", "scales"):
+        if name.endswith(f"_proj_{kind}"):
+            return name[: -len(kind) - 1], kind
+    return name, None
