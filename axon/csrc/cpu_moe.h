@@ -43,9 +43,10 @@ inline void route_token(const float* logits, int64_t E, int64_t k, bool renormal
       weights[j] = logits[best];
       taken[best] = 1.f;
     }
+    const float top = weights[0];  // the largest
     float sum = 0.f;
-    for (int64_t j = 0; j < k; ++j) {  // weights[0] is the largest
-      weights[j] = std::exp(weights[j] - weights[0]);
+    for (int64_t j = 0; j < k; ++j) {
+      weights[j] = std::exp(weights[j] - top);
       sum += weights[j];
     }
     for (int64_t j = 0; j < k; ++j) weights[j] /= sum;

@@ -232,6 +232,8 @@ def _check_quantization(
     given = hf.get("quantization_config")
     if given is not None:
         fmt = given.get("quant_method", "unknown") if isinstance(given, dict) else given
+        if fmt == "mxfp4" and "GptOssForCausalLM" in (hf.get("architectures") or []):
+            return  # OpenAI's MXFP4 experts: dequantized at load (axon/model/loader/mxfp4.py)
         raise ValueError(
             f"{model_path} is a checkpoint quantized as {fmt!r} (its config.json's quantization_config), "
             "which axon does not read; give an unquantized checkpoint (bfloat16/float16/float32) and "

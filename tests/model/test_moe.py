@@ -13,7 +13,7 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 
 from axon import LLM
-from axon.model.layers.moe import FusedMoE, MoeMath, moe_loop, pack_experts, route
+from axon.model.layers.moe import FusedMoE, MoeMath, activate, moe_loop, pack_experts, route
 from axon.worker.logit_validation import teacher_forced_logits
 
 CASES = [
@@ -24,16 +24,25 @@ CASES = [
     (8, 8, 64, 32, 3, False),  # every expert picked by every token
     (6, 1, 32, 16, 300, False),  # top-1, many tokens
 ]
+# GPT-OSS's block: top-k then softmax, swigluoai (a small limit, so the clamps bite), biases.
+GPT_OSS_MATH = {"routing": "topk_softmax", "activation": "swigluoai", "alpha": 1.702, "limit": 0.5}
 
 
 def _block(
-    experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool, seed: int
+    experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    renormalize: bool,
+    seed: int,
+    gpt_oss: bool = False,
 ) -> FusedMoE:
     gen = torch.Generator().manual_seed(seed)
-    block = FusedMoE(experts, hidden, intermediate, MoeMath(top_k, renormalize))
+    math = MoeMath(top_k, renormalize, **(GPT_OSS_MATH if gpt_oss else {}))
+    block = FusedMoE(experts, hidden, intermediate, math, bias=gpt_oss)
     with torch.no_grad():
-        block.w13_weight.copy_(torch.randn(block.w13_weight.shape, generator=gen) * 0.1)
-        block.w2_weight.copy_(torch.randn(block.w2_weight.shape, generator=gen) * 0.1)
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return block
 
 
@@ -44,6 +53,25 @@ def _inputs(tokens: int, hidden: int, experts: int, seed: int) -> tuple[torch.Te
     if experts > 2:
         logits[:, 1] = -30.0  # expert 1 is never picked: an expert with no tokens
     return x, logits
+
+
+def test_gpt_oss_routing_softmaxes_the_top_k_logits() -> None:
+    logits = torch.randn(30, 8, generator=torch.Generator().manual_seed(16))
+    weights, ids = route(logits, MoeMath(3, routing="topk_softmax"))
+    top = logits.sort(dim=-1, descending=True)
+    assert torch.equal(ids, top.indices[:, :3])
+    torch.testing.assert_close(weights, torch.softmax(top.values[:, :3], dim=-1))
+
+
+def test_swigluoai_clamps_then_gates() -> None:
+    gate = torch.tensor([-10.0, -1.0, 0.0, 1.0, 10.0])
+    up = torch.tensor([-10.0, 0.5, 2.0, 10.0, 0.0])
+    got = activate(torch.cat([gate, up]), MoeMath(1, activation="swigluoai", alpha=1.702, limit=7.0))
+    g, u = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    torch.testing.assert_close(got, g * torch.sigmoid(1.702 * g) * (u + 1))
+    assert got[4].item() == pytest.approx(
+        7.0 * torch.sigmoid(torch.tensor(1.702 * 7.0)).item()
+    )  # gate clamped
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
@@ -76,16 +104,27 @@ def test_the_loop_equals_a_dense_sum_over_every_expert() -> None:
         torch.testing.assert_close(block(x, logits), dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gpt_oss", [False, True])
 @pytest.mark.parametrize(("experts", "top_k", "hidden", "intermediate", "tokens", "renormalize"), CASES)
 def test_the_fused_op_equals_the_loop(
-    bf16_path: str, experts: int, top_k: int, hidden: int, intermediate: int, tokens: int, renormalize: bool
+    bf16_path: str,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    tokens: int,
+    renormalize: bool,
+    gpt_oss: bool,
 ) -> None:
-    block = _block(experts, top_k, hidden, intermediate, renormalize, seed=tokens).bfloat16()
+    block = _block(experts, top_k, hidden, intermediate, renormalize, seed=tokens, gpt_oss=gpt_oss).bfloat16()
     x, logits = _inputs(tokens, hidden, experts, seed=tokens + 1)
     x = x.bfloat16()
     # The oracle in float32 on the same (bf16) weights; the fused op accumulates in float32
     # and rounds to bf16 where the GEMMs take their inputs, so it lands within bf16's error.
-    expected = moe_loop(x.float(), logits, block.w13_weight.float(), block.w2_weight.float(), block.math)
+    biases = (block.w13_bias.float(), block.w2_bias.float()) if gpt_oss else (None, None)
+    expected = moe_loop(
+        x.float(), logits, block.w13_weight.float(), block.w2_weight.float(), block.math, 0, *biases
+    )
     assert pack_experts(block) == 1 and block.method == "fused"
     with torch.inference_mode():
         got = block(x, logits)
@@ -268,6 +307,24 @@ def test_bf16_qwen3_moe_on_the_fused_op_tracks_transformers(bf16_kernel: None, t
     model = llm.llm_engine.engine_core.executor.worker.model
     blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(blocks) == 2 and all(b.method == "fused" for b in blocks)
+    got = teacher_forced_logits(model, token_ids, block_size=4).float()
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() < 0.05 * scale
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_bf16_gpt_oss_on_the_fused_op_and_cpu_flash_tracks_transformers(
+    bf16_kernel: None, tiny_model_dir
+) -> None:
+    folder = tiny_model_dir("gpt_oss")
+    token_ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(17)).tolist()
+    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([token_ids])).logits[0]
+    llm = LLM(model=folder, dtype="bfloat16", max_model_len=128, block_size=4)
+    model = llm.llm_engine.engine_core.executor.worker.model
+    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(blocks) == 4 and all(b.method == "fused" for b in blocks)
     got = teacher_forced_logits(model, token_ids, block_size=4).float()
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() < 0.05 * scale

@@ -19,6 +19,7 @@ into ``FusedMoE``'s [E, 2I (gate, up), H] and [E, H, I].
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ from axon.model.loader.mxfp4 import dequantize_mxfp4
 from axon.model.loader.safetensors_loader import LazyTensor
 from axon.model.models.llama import STACKED_PARAMS
 from axon.model.models.weights import load_by_name
+
+logger = logging.getLogger(__name__)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -218,6 +221,7 @@ class GptOssForCausalLM(nn.Module):
         blocks = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
         loaded: set[str] = set()
         pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 tensor -> its blocks and scales
+        dequantized = [0]
 
         def load_experts(name: str, tensor: torch.Tensor) -> None:
             block_name, _, leaf = name.rpartition(".")
@@ -264,6 +268,7 @@ class GptOssForCausalLM(nn.Module):
                     )
                     load_experts(base, w.transpose(1, 2))  # [E, out, in] -> the checkpoint's x @ W layout
                     del pending[base]
+                    dequantized[0] += 1
 
         tied = self.arch.tie_word_embeddings
 
@@ -275,6 +280,10 @@ class GptOssForCausalLM(nn.Module):
         experts = {f"{b}.{t}" for b in blocks for t in set(_EXPERT_TARGETS.values())}
         optional = experts | ({"lm_head.weight"} if tied else set())
         load_by_name(self, the_rest(), rename, frozenset(optional), STACKED_PARAMS)
+        if dequantized:
+            logger.info(
+                "dequantized %d MXFP4 expert tensors to %s at load", dequantized[0], self.lm_head.weight.dtype
+            )
         if pending:
             name = next(iter(pending))
             missing = "scales" if "blocks" in pending[name] else "blocks"

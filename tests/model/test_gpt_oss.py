@@ -1,0 +1,110 @@
+"""GPT-OSS beyond the teacher-forced logits of test_logits.py: its MXFP4 experts (OpenAI's layout)
+against transformers' dequantizer and against the same weights stored plainly, and prefix-cache
+hits across the sliding window."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from axon import LLM, SamplingParams
+from axon.model.layers.moe import FusedMoE
+from axon.model.loader.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+
+def test_mxfp4_dequantizes_as_transformers_does() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    weight = torch.randn(3, 40, 96, generator=torch.Generator().manual_seed(0)) * 3
+    blocks, scales = quantize_mxfp4(weight)
+    assert blocks.shape == (3, 40, 3, 16) and scales.shape == (3, 40, 3)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(
+        1, 2
+    )  # they return x @ W
+    assert torch.equal(ours, theirs)
+    # Within half a code step of the block's scale: the largest error is a quarter of the
+    # block's peak (between 4 and 6 at the top of the range).
+    peak = weight.reshape(3, 40, 3, 32).abs().amax(-1, keepdim=True)
+    assert ((ours - weight).reshape(3, 40, 3, 32).abs() <= peak / 4 + 1e-6).all()
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(blocks, scales[..., :2], torch.float32)
+
+
+def _copy(folder: Path, out: Path, tensors: dict[str, torch.Tensor], config: dict | None = None) -> str:
+    out.mkdir()
+    for f in folder.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    (out / "config.json").write_text(json.dumps(config or json.loads((folder / "config.json").read_text())))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+def test_an_mxfp4_checkpoint_loads_as_its_dequantized_weights(tiny_model_dir, tmp_path: Path) -> None:
+    """OpenAI ships the experts as ``*_blocks`` / ``*_scales`` over [E, out, in]; loading them
+    equals loading the very values they stand for, stored as plain tensors."""
+    folder = Path(tiny_model_dir("gpt_oss"))
+    tensors = load_file(folder / "model.safetensors")
+    quantized, plain = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors[name].transpose(1, 2))  # x @ W -> [E, out, in]
+        del quantized[name]
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        plain[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["router", "self_attn"],
+    }
+    mxfp4 = _copy(folder, tmp_path / "mxfp4", quantized, config)
+    dequantized = _copy(folder, tmp_path / "plain", plain)
+
+    def experts(path: str) -> list[torch.Tensor]:
+        llm = LLM(model=path, dtype="float32", max_model_len=64, linear_backend="torch")
+        model = llm.llm_engine.engine_core.executor.worker.model
+        return [p for m in model.modules() if isinstance(m, FusedMoE) for p in (m.w13_weight, m.w2_weight)]
+
+    got, want = experts(mxfp4), experts(dequantized)
+    assert len(got) == 8
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_a_checkpoint_with_half_an_mxfp4_tensor_is_refused(tiny_model_dir, tmp_path: Path) -> None:
+    folder = Path(tiny_model_dir("gpt_oss"))
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.0.mlp.experts.down_proj"
+    blocks, _ = quantize_mxfp4(tensors.pop(name).transpose(1, 2))
+    tensors[f"{name}_blocks"] = blocks
+    broken = _copy(folder, tmp_path / "broken", tensors)
+    with pytest.raises(ValueError, match=rf"{name}_blocks but no {name}_scales"):
+        LLM(model=broken, dtype="float32", max_model_len=64)
+
+
+def test_prefix_cache_hits_across_the_sliding_window_change_nothing(tiny_model_dir) -> None:
+    """Prompts longer than the window (8) that share 24 tokens: with prefix caching the second
+    reuses the first's blocks, including blocks its sliding layers no longer read, and every
+    token is what a cold engine computes."""
+    folder = tiny_model_dir("gpt_oss")
+    shared = [(13 * i + 5) % 500 for i in range(24)]
+    prompts = [shared + [7, 8, 9, 10, 11, 12], shared + [300, 301, 302]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(prefix_caching: bool) -> list:
+        llm = LLM(
+            model=folder,
+            dtype="float32",
+            max_model_len=128,
+            block_size=4,
+            enable_prefix_caching=prefix_caching,
+        )
+        return [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+
+    cached, cold = run(True), run(False)
+    assert cached[1].num_cached_tokens >= 20
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in cold]
