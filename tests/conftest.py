@@ -102,6 +102,14 @@ def tiny_hf_config(family: str, tokenizer=None):
     if family == "gpt_oss":
         # Alternating sliding (window 8) and full attention, sinks, YaRN, 4 experts (2 a token).
         return tf.GptOssConfig(**GPT_OSS_DIMS)
+    if family == "gpt_oss_full_vocab":
+        dims = GPT_OSS_DIMS | {"vocab_size": len(tokenizer)}
+        return tf.GptOssConfig(
+            **dims,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     if family == "mistral":
         return tf.MistralConfig(**TINY_DIMS, sliding_window=None)
     raise KeyError(family)

@@ -1,6 +1,7 @@
-"""A Qwen3-MoE model through a real ``axon serve`` with the official client: a tiny random
-Qwen3-MoE (every layer sparse, SmolLM2's tokenizer) in bfloat16, its experts on the fused CPU op
-where the CPU has AVX-512 BF16. Greedy completions sent at once equal the offline engine's, one
+"""Mixture-of-experts models through a real ``axon serve`` with the official client: a tiny random
+Qwen3-MoE (every layer sparse) and a tiny random GPT-OSS (sinks, sliding windows, MXFP4-free),
+both with SmolLM2's tokenizer, in bfloat16, their experts on the fused CPU op where the CPU has
+AVX-512 BF16. Greedy completions sent at once equal the offline engine's, one
 prompt at a time; chat streams what it returns whole; bad input is a 400 that names the problem,
 and the server goes on serving."""
 
@@ -19,9 +20,21 @@ from tests.server.conftest import COMPLETION_PROMPTS, ServerProcess
 ARGS = ["--dtype", "bfloat16", "--max-model-len", "256"]
 
 
+# family -> what its start-up log says of its experts
+FAMILIES = {
+    "qwen3_moe_full_vocab": "2 sparse MoE blocks of 8 experts (2 per token)",
+    "gpt_oss_full_vocab": "4 sparse MoE blocks of 4 experts (2 per token)",
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def moe_folder(tiny_model_dir) -> str:
-    return tiny_model_dir("qwen3_moe_full_vocab")
+def moe_folder(tiny_model_dir, family: str) -> str:
+    return tiny_model_dir(family)
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +53,9 @@ def _fused_here() -> bool:
     return load_cpu_kernels(default_cache_root()) and bool(torch.ops.axon_cpu.linear_supported())
 
 
-def test_the_start_up_log_names_the_experts_and_how_they_run(server: ServerProcess) -> None:
+def test_the_start_up_log_names_the_experts_and_how_they_run(server: ServerProcess, family: str) -> None:
     how = "fused CPU op" if _fused_here() else "loop over experts"
-    assert f"2 sparse MoE blocks of 8 experts (2 per token): {how}" in server.log()
+    assert f"{FAMILIES[family]}: {how}" in server.log()
 
 
 def test_greedy_completions_sent_at_once_equal_the_offline_engine(
@@ -81,9 +94,10 @@ def test_a_streamed_chat_equals_the_whole_one(server: ServerProcess) -> None:
     )
 
 
-def test_expert_parallel_serving_equals_one_rank(moe_folder: str) -> None:
-    """`--tensor-parallel-size 2 --enable-expert-parallel`: two ranks of four whole experts each,
-    float32, the same greedy completions as the offline engine on one rank."""
+def test_expert_parallel_serving_equals_one_rank(tiny_model_dir) -> None:
+    """Qwen3-MoE with `--tensor-parallel-size 2 --enable-expert-parallel`: two ranks of four
+    whole experts each, float32, the same greedy completions as the offline engine on one rank."""
+    moe_folder = tiny_model_dir("qwen3_moe_full_vocab")
     proc = ServerProcess(
         "--model",
         moe_folder,
