@@ -41,6 +41,29 @@ QWEN3_MOE_SHAPE: dict[str, Any] = {
     "vocab_size": 49152,
     "max_position_embeddings": 2048,
 }
+# A GPT-OSS of the same size: 12 layers alternating sliding (128) and full attention, sinks, YaRN.
+GPT_OSS_SHAPE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 512,
+    "num_local_experts": 16,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 4096,
+    "sliding_window": 128,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+        "rope_theta": 150000.0,
+    },
+}
 TINY_LLAMA_SEED = 0
 
 
@@ -86,6 +109,17 @@ def qwen3_moe_folder() -> str:
     return folder
 
 
+def gpt_oss_folder() -> str:
+    """A seeded random-weight GPT-OSS (GPT_OSS_SHAPE), bf16, SmolLM2's tokenizer, saved once."""
+    folder = os.path.join(bench_cache_root(), "gpt-oss")
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        from transformers import GptOssConfig
+
+        config = GptOssConfig(**GPT_OSS_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+        _build_random(config, folder)
+    return folder
+
+
 def _build_random(config: Any, folder: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -105,6 +139,7 @@ MODEL_FOLDERS: dict[str, Callable[[], str]] = {
     "tiny": tiny_llama_folder,
     "smollm2": smollm2_folder,
     "qwen3_moe": qwen3_moe_folder,
+    "gpt_oss": gpt_oss_folder,
 }
 
 

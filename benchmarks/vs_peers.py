@@ -84,8 +84,10 @@ WORKLOADS: dict[str, Workload] = {
     "c": Workload("c", "smollm2", "throughput", 64, 512, 128, ("axon", "vllm", "openvino")),
     "d": Workload("d", "smollm2", "latency", 1, 128, 256, ("axon", "vllm", "openvino")),
     "e": Workload("e", "smollm2", "startup", 1, 128, 1, ("axon", "vllm")),
-    # Mixture of experts: a random Qwen3-MoE (benchmarks.common.QWEN3_MOE_SHAPE); not in the default set.
+    # Mixture of experts: a random Qwen3-MoE and GPT-OSS (benchmarks.common.QWEN3_MOE_SHAPE,
+    # GPT_OSS_SHAPE); not in the default set.
     "f": Workload("f", "qwen3_moe", "throughput", 16, 128, 128, ("axon", "vllm", "transformers")),
+    "g": Workload("g", "gpt_oss", "throughput", 16, 128, 128, ("axon", "vllm", "transformers")),
 }
 
 

@@ -1,4 +1,4 @@
-"""Qwen3-MoE across ranks (the ``mp`` executor, as test_tensor_parallel.py): tensor parallelism
+"""Qwen3-MoE and GPT-OSS across ranks (the ``mp`` executor, as test_tensor_parallel.py): tensor parallelism
 splits every expert's width, expert parallelism (``enable_expert_parallel``) gives each rank
 whole experts; either way TP=2 / EP=2 must give what one rank gives (float32: the same greedy
 tokens, log-probabilities to rounding), and each rank reads only its share of the experts."""
@@ -21,13 +21,13 @@ from axon.model.loader.model_loader import load_model
 from tests.distributed.test_tensor_parallel import _assert_same, _run, count_reads
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_step2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_step2", "gpt_oss"])
 def test_tp2_splitting_each_expert_equals_tp1(tiny_model_dir, family: str) -> None:
     folder = tiny_model_dir(family)
     _assert_same(_run(folder), _run(folder, tensor_parallel_size=2))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_step2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_step2", "gpt_oss"])
 def test_ep2_equals_ep1(tiny_model_dir, family: str) -> None:
     folder = tiny_model_dir(family)
     one = _run(folder, enable_expert_parallel=True)  # one rank: every expert, as without the flag

@@ -34,6 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axon.distributed.parallel_state import expert_parallel
+from axon.model.layers.tensor_parallel import split
+
 _layers: dict[int, weakref.ReferenceType[FusedMoE]] = {}
 _handles = itertools.count()
 
@@ -199,6 +202,23 @@ class FusedMoE(nn.Module):
             f"intermediate_size={self.intermediate_size}, routing={self.math.routing}, "
             f"activation={self.math.activation}, bias={self.w13_bias is not None}, method={self.method}"
         )
+
+
+def expert_share(num_experts: int, intermediate_size: int) -> dict[str, int]:
+    """This rank's experts and width (``FusedMoE``'s keyword arguments): with expert
+    parallelism 1/N of the experts, whole; else every expert, 1/N of its width."""
+    if expert_parallel():
+        first_expert, num_local = split(num_experts, "number of experts")
+        first_col, width = 0, intermediate_size
+    else:
+        first_expert, num_local = 0, num_experts
+        first_col, width = split(intermediate_size, "moe_intermediate_size")
+    return {
+        "first_expert": first_expert,
+        "num_local_experts": num_local,
+        "intermediate_start": first_col,
+        "intermediate_size": width,
+    }
 
 
 def pack_experts(model: nn.Module) -> int:

@@ -27,13 +27,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from axon.distributed.parallel_state import tp_all_reduce
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.attention.layer import Attention
 from axon.model.layers.linear import MergedLinear
-from axon.model.layers.moe import FusedMoE, MoeMath
+from axon.model.layers.moe import FusedMoE, MoeMath, expert_share
 from axon.model.layers.norm import RMSNorm
 from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
-from axon.model.layers.tensor_parallel import VocabParallelEmbedding
+from axon.model.layers.tensor_parallel import (
+    VocabParallelEmbedding,
+    gather_logits,
+    kv_heads,
+    padded_vocab_share,
+    set_shard,
+    split,
+)
 from axon.model.loader.mxfp4 import dequantize_mxfp4
 from axon.model.loader.safetensors_loader import LazyTensor
 from axon.model.models.llama import STACKED_PARAMS
@@ -64,6 +72,15 @@ class GptOssArch:
     layer_types: tuple[str, ...]
     swiglu_alpha: float
     swiglu_limit: float
+
+    # What start-up's tensor-parallel checks read (axon/engine/arg_utils.py): every MLP is sparse.
+    @property
+    def sparse_layers(self) -> frozenset[int]:
+        return frozenset(range(self.num_layers))
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.intermediate_size
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> GptOssArch:
@@ -101,15 +118,25 @@ class GptOssArch:
 
 
 class GptOssAttention(nn.Module):
+    """Under tensor parallelism: this rank's query and KV heads and their sinks, o_proj's matching
+    input columns, one all-reduce, then o_proj's bias (once, after the sum)."""
+
     def __init__(
         self, arch: GptOssArch, rotary: RotaryEmbedding, backend: AttentionBackend, index: int
     ) -> None:
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        first_q, self.num_heads = split(arch.num_heads, "number of attention heads")
+        first_kv, self.num_kv_heads = kv_heads(arch.num_kv_heads, arch.num_heads)
+        self.head_dim = d
         self.qkv_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=True)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=True)
+        starts = (first_q * d, first_kv * d, first_kv * d)
+        set_shard(self.qkv_proj, "weight", 0, starts)
+        set_shard(self.qkv_proj, "bias", 0, starts)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        set_shard(self.o_proj, "weight", 1, (first_q * d,))
+        self.o_bias = nn.Parameter(torch.empty(h))  # the checkpoint's o_proj.bias
         self.rotary = rotary
         window = arch.sliding_window if arch.layer_types[index] == "sliding_attention" else None
         self.attn = Attention(
@@ -120,6 +147,7 @@ class GptOssAttention(nn.Module):
             sliding_window=window,
             sinks=torch.empty(self.num_heads),
         )
+        set_shard(self.attn, "sinks", 0, (first_q,))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -128,10 +156,12 @@ class GptOssAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).reshape(t, -1))
+        return tp_all_reduce(self.o_proj(self.attn(q, k, v).reshape(t, -1))) + self.o_bias
 
 
 class GptOssMLP(nn.Module):
+    """The router whole on every rank; this rank's experts (``expert_share``); one all-reduce."""
+
     def __init__(self, arch: GptOssArch) -> None:
         super().__init__()
         self.router = nn.Linear(arch.hidden_size, arch.num_experts, bias=True)
@@ -142,10 +172,16 @@ class GptOssMLP(nn.Module):
             alpha=arch.swiglu_alpha,
             limit=arch.swiglu_limit,
         )
-        self.experts = FusedMoE(arch.num_experts, arch.hidden_size, arch.intermediate_size, math, bias=True)
+        self.experts = FusedMoE(
+            arch.num_experts,
+            arch.hidden_size,
+            math=math,
+            bias=True,
+            **expert_share(arch.num_experts, arch.intermediate_size),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.router(x))
+        return tp_all_reduce(self.experts(x, self.router(x)))
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -190,7 +226,7 @@ class GptOssForCausalLM(nn.Module):
     """forward(input_ids, positions) -> hidden states; compute_logits(hidden) -> [N, vocab]."""
 
     stacked_params = STACKED_PARAMS
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True
 
     @classmethod
     def arch_from_hf(cls, hf_config: dict[str, Any]) -> GptOssArch:
@@ -200,7 +236,9 @@ class GptOssForCausalLM(nn.Module):
         super().__init__()
         self.arch = self.arch_from_hf(hf_config)
         self.model = GptOssModel(self.arch, backend)
-        self.lm_head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        first_row, rows = padded_vocab_share(self.arch.vocab_size)
+        self.lm_head = nn.Linear(self.arch.hidden_size, rows, bias=False)
+        set_shard(self.lm_head, "weight", 0, (first_row,))
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -211,7 +249,7 @@ class GptOssForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return gather_logits(self.lm_head(hidden), self.arch.vocab_size)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -229,7 +267,7 @@ class GptOssForCausalLM(nn.Module):
             target_name = _EXPERT_TARGETS.get(leaf)
             if block is None or target_name is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            e, h, i = block.num_experts, block.hidden_size, block.intermediate_size
+            e, h, i = block.num_experts, block.hidden_size, self.arch.intermediate_size
             expected = {
                 "gate_up_proj": (e, h, 2 * i),
                 "gate_up_proj_bias": (e, 2 * i),
@@ -240,8 +278,16 @@ class GptOssForCausalLM(nn.Module):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
                 )
+            # This rank's experts, and its columns of their width (all of both on one rank).
+            tensor = tensor.narrow(0, block.first_expert, block.num_local_experts)
+            start, width = block.intermediate_start, block.intermediate_size
             if leaf.startswith("gate_up_proj"):  # columns interleave gate and up: gate first, then up
-                tensor = torch.cat([tensor[..., 0::2], tensor[..., 1::2]], dim=-1)
+                gate, up = tensor[..., 0::2], tensor[..., 1::2]
+                tensor = torch.cat([gate[..., start : start + width], up[..., start : start + width]], dim=-1)
+            elif leaf == "down_proj":
+                tensor = tensor.narrow(1, start, width)
+            elif start > 0:  # down_proj_bias: added by the rank holding the first columns only
+                tensor = torch.zeros_like(tensor)
             if leaf in ("gate_up_proj", "down_proj"):  # x @ W -> nn.Linear's [out, in]
                 tensor = tensor.transpose(1, 2)
             if f"{block_name}.{target_name}" in loaded:
@@ -253,7 +299,8 @@ class GptOssForCausalLM(nn.Module):
         def the_rest() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 if ".mlp.experts." not in name:
-                    yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
+                    name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
+                    yield name.replace(".self_attn.o_proj.bias", ".self_attn.o_bias"), tensor
                     continue
                 tensor = tensor.read() if isinstance(tensor, LazyTensor) else tensor
                 base, kind = _mxfp4_part(name)

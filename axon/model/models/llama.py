@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon.distributed.parallel_state import expert_parallel, tp_all_reduce
+from axon.distributed.parallel_state import tp_all_reduce
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.attention.layer import Attention
 from axon.model.layers.linear import MergedLinear
-from axon.model.layers.moe import FusedMoE, MoeMath
+from axon.model.layers.moe import FusedMoE, MoeMath, expert_share
 from axon.model.layers.norm import RMSNorm
 from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
 from axon.model.layers.tensor_parallel import (
@@ -133,20 +133,11 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, arch: DecoderArch) -> None:
         super().__init__()
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
-        if expert_parallel():
-            first_expert, num_local = split(arch.num_experts, "number of experts")
-            first_col, width = 0, arch.moe_intermediate_size
-        else:
-            first_expert, num_local = 0, arch.num_experts
-            first_col, width = split(arch.moe_intermediate_size, "moe_intermediate_size")
         self.experts = FusedMoE(
             arch.num_experts,
             arch.hidden_size,
-            width,
-            MoeMath(arch.num_experts_per_tok, renormalize=arch.norm_topk_prob),
-            first_expert=first_expert,
-            num_local_experts=num_local,
-            intermediate_start=first_col,
+            math=MoeMath(arch.num_experts_per_tok, renormalize=arch.norm_topk_prob),
+            **expert_share(arch.num_experts, arch.moe_intermediate_size),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
