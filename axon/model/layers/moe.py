@@ -14,14 +14,14 @@ cannot be traced into a static graph):
 - ``loop`` (every other dtype and device): ``moe_loop``, a loop over the experts in torch, the
   way transformers computes the block; it is also the fused op's oracle in the tests.
 
-Routing is Qwen3-MoE's (and Mixtral's): softmax over the experts in float32, the k largest
-probabilities, divided by their sum when ``renormalize`` (``norm_topk_prob``).
+What a block computes besides its weights is its ``MoeMath``: the routing (Qwen3-MoE's softmax
+then top-k, optionally renormalized; GPT-OSS's top-k then softmax), the activation (SwiGLU, or
+GPT-OSS's clamped ``swigluoai``) and whether the experts have biases (``w13_bias``, ``w2_bias``).
 
-Under tensor parallelism a block holds this rank's share (``SparseMoeBlock`` in
-``axon/model/models/llama.py`` picks it): 1/N of every expert's width (its gate, up and down
-slices), or with expert parallelism whole experts ``first_expert .. first_expert + L - 1``; a
-token's slots routed to another rank's experts add nothing here, and one all-reduce after the
-block sums the ranks' parts.
+Under tensor parallelism a block holds this rank's share (``expert_share``): 1/N of every
+expert's width (its gate, up and down slices), or with expert parallelism whole experts
+``first_expert .. first_expert + L - 1``; a token's slots routed to another rank's experts add
+nothing here, and one all-reduce after the block sums the ranks' parts.
 """
 
 from __future__ import annotations
