@@ -123,7 +123,7 @@ def test_unknown_architecture(tmp_path: Path, tiny_model_dir) -> None:
     config = json.loads((Path(tiny_model_dir("llama")) / "config.json").read_text())
     config["architectures"] = ["FancyNetForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="FancyNetForCausalLM.*supported: BertModel, LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="FancyNetForCausalLM.*supported: BertModel, GptOssForCausalLM, LlamaForCausalLM"):
         LLM(model=str(folder))
 
 
