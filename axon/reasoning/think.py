@@ -22,6 +22,9 @@ def held_back(text: str, marker: str) -> int:
 class ReasoningParser:
     start_marker: ClassVar[str] = "<think>"
     end_marker: ClassVar[str] = "</think>"
+    # True: its requests are detokenized with skip_special_tokens=False (its markers are special
+    # tokens that must stay in the text).
+    needs_special_tokens: ClassVar[bool] = False
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of the output ``text`` so far."""

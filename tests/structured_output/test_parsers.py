@@ -161,3 +161,80 @@ def test_required_grammar_honours_parallel_tool_calls() -> None:
     )
     grammar = plan.grammar()
     assert grammar is not None and grammar.json["maxItems"] == 1 and grammar.json["minItems"] == 1
+
+
+# GPT-OSS's harmony format, as the model writes it after the template's <|start|>assistant.
+HARMONY_OUTPUTS = [
+    # (text, reasoning, content, calls)
+    (
+        (
+            "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris.<|return|>"
+        ),
+        "The user wants the weather.",
+        "It is sunny in Paris.",
+        {},
+    ),
+    (
+        (
+            "<|channel|>analysis<|message|>Need the tool.<|end|>"
+            '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+        ),
+        "Need the tool.",
+        "",
+        {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+    ),
+    (  # the recipient in the header before the channel; a preamble; two calls
+        (
+            "<|channel|>commentary<|message|>Checking both.<|end|>"
+            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+            '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz": "CET"}<|call|>'
+        ),
+        "",
+        "Checking both.",
+        {
+            0: {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            1: {"name": "get_time", "arguments": '{"tz": "CET"}'},
+        },
+    ),
+    (
+        "A model that does not speak harmony: <b>plain</b> text.",
+        "",
+        "A model that does not speak harmony: <b>plain</b> text.",
+        {},
+    ),
+    ("<|channe", "", "<|channe", {}),  # not a marker after all
+    (  # cut off inside the reasoning (max_tokens): all of it is reasoning
+        "<|channel|>analysis<|message|>Thinking about <b>tags</b> and <|",
+        "Thinking about <b>tags</b> and <|",
+        "",
+        {},
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content", "calls"), HARMONY_OUTPUTS)
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_harmony_whole_and_streamed(text: str, reasoning: str, content: str, calls: dict, step: int) -> None:
+    plan = ToolPlan("auto", [WEATHER], parser=get_tool_parser("openai"))
+    parser = ChatOutputParser(plan, get_reasoning_parser("openai_gptoss")())
+    assert parser.needs_special_tokens
+    want = {"reasoning": reasoning, "content": content, "calls": calls}
+    assert whole(parser, text) == want
+    assert stream(parser, text, step) == want
+
+
+def test_harmony_reasoning_without_tools() -> None:
+    parser = ChatOutputParser(ToolPlan("none", []), get_reasoning_parser("openai_gptoss")())
+    text = HARMONY_OUTPUTS[0][0]
+    assert whole(parser, text) == {
+        "reasoning": HARMONY_OUTPUTS[0][1],
+        "content": HARMONY_OUTPUTS[0][2],
+        "calls": {},
+    }
+    assert stream(parser, text, 1) == whole(parser, text)
+    # A stream never shows part of a marker: no delta holds "<|".
+    streamer = ChoiceStreamer(parser)
+    for i, ch in enumerate(text):
+        fields = streamer.delta(ch, final=i == len(text) - 1)
+        assert "<|" not in fields.get("content", "") and "<|" not in fields.get("reasoning_content", "")

@@ -37,6 +37,12 @@ class ChatOutputParser:
         return self.reasoning is None and self.plan.mode == "none"
 
     @property
+    def needs_special_tokens(self) -> bool:
+        """Whether the text must keep special tokens (markers the parsers read)."""
+        tools = self.plan.parser is not None and self.plan.parser.needs_special_tokens
+        return tools or (self.reasoning is not None and self.reasoning.needs_special_tokens)
+
+    @property
     def calls_finish_with_tool_calls(self) -> bool:
         """OpenAI reports ``tool_calls`` for auto and required calls, ``stop`` for a named one."""
         return self.plan.mode in ("auto", "required")
@@ -51,7 +57,8 @@ class ChatOutputParser:
             return ChatOutput(reasoning, "", array_calls(answer))
         if mode == "auto":
             assert self.plan.parser is not None, "plan_tools gives auto a parser"
-            parsed = self.plan.parser.parse(answer, final)
+            parser = self.plan.parser
+            parsed = parser.parse(text if parser.reads_whole_output else answer, final)
             return ChatOutput(reasoning, parsed.content, parsed.calls)
         return ChatOutput(reasoning, answer)
 

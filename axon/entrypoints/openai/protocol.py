@@ -147,6 +147,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = True
+    # How long a reasoning model thinks: handed to the chat template (GPT-OSS's renders it)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's chat extras
     echo: bool = False
     add_generation_prompt: bool = True

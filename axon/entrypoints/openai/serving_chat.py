@@ -6,6 +6,7 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -55,7 +56,7 @@ class OpenAIServingChat(OpenAIServing):
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
-            plan.template_kwargs(request.chat_template_kwargs),
+            plan.template_kwargs(_template_kwargs(request)),
             request.add_special_tokens,
         )
         if request.truncate_prompt_tokens is not None:
@@ -65,6 +66,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, _num_logprobs(request))
         _constrain_tool_calls(params, plan)
         parser = ChatOutputParser(plan, self._reasoning_parser())
+        if parser.needs_special_tokens:  # the parsers read markers that are special tokens
+            params.skip_special_tokens = False
         self.validate(prompt_token_ids, params)
         request_id = f"chatcmpl-{request.request_id or random_uuid()}"
         self.log_request(request_id, None, prompt_token_ids, params)
@@ -306,3 +309,10 @@ def _chat_logprob(token: str, logprob: float) -> dict:
 
 def _json(body: dict) -> str:
     return json.dumps(body)
+
+
+def _template_kwargs(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The request's chat_template_kwargs, with reasoning_effort among them when given."""
+    if request.reasoning_effort is None:
+        return request.chat_template_kwargs
+    return {"reasoning_effort": request.reasoning_effort, **(request.chat_template_kwargs or {})}

@@ -5,10 +5,12 @@ from __future__ import annotations
 from axon.entrypoints.openai.tool_parsers.base import ParsedOutput, ToolParser
 from axon.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from axon.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from axon.entrypoints.openai.tool_parsers.openai_harmony import OpenAIToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
+    OpenAIToolParser.name: OpenAIToolParser,
 }
 
 

@@ -9,6 +9,7 @@ calls do not parse is returned whole as content (as vLLM does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from axon.entrypoints.openai.tool_parsers.json_scan import PartialCall, is_json_object
 
@@ -21,6 +22,12 @@ class ParsedOutput:
 
 class ToolParser:
     name: str = ""
+    # True: parse() gets the whole output, not the reasoning parser's answer (harmony's calls
+    # live in messages the reasoning parser strips).
+    reads_whole_output: ClassVar[bool] = False
+    # True: its requests are detokenized with skip_special_tokens=False (markers that are
+    # special tokens stay in the text).
+    needs_special_tokens: ClassVar[bool] = False
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         raise NotImplementedError
