@@ -177,40 +177,18 @@ def test_the_fused_op_rejects_bad_input(bf16_kernel: None) -> None:
         block(x, logits)  # float32 x
     with pytest.raises(RuntimeError, match="router_logits"):
         block(x.bfloat16(), logits[:2])
+    x = x.bfloat16()
+
+    def call(top_k: int, first_expert: int) -> torch.Tensor:
+        packed = (block.w13_packed, block.w2_packed, None, None)
+        return torch.ops.axon_cpu.fused_moe(
+            x, logits, *packed, top_k, False, 32, first_expert, 0, 0, 1.0, 1.0
+        )
+
     with pytest.raises(RuntimeError, match="top_k"):
-        torch.ops.axon_cpu.fused_moe(
-            x.bfloat16(),
-            logits,
-            block.w13_packed,
-            block.w2_packed,
-            None,
-            None,
-            5,
-            False,
-            32,
-            0,
-            0,
-            0,
-            1.0,
-            1.0,
-        )
+        call(5, 0)
     with pytest.raises(RuntimeError, match="not among the router's 4"):
-        torch.ops.axon_cpu.fused_moe(
-            x.bfloat16(),
-            logits,
-            block.w13_packed,
-            block.w2_packed,
-            None,
-            None,
-            2,
-            False,
-            32,
-            1,
-            0,
-            0,
-            1.0,
-            1.0,
-        )
+        call(2, 1)
     with pytest.raises(ValueError, match="num_experts_per_tok 5"):
         FusedMoE(4, 64, 32, MoeMath(5, False))
     with pytest.raises(ValueError, match="MoE activation 'gelu'"):

@@ -36,15 +36,13 @@ from axon.model.layers.norm import RMSNorm
 from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
 from axon.model.layers.tensor_parallel import (
     VocabParallelEmbedding,
-    gather_logits,
     kv_heads,
-    padded_vocab_share,
     set_shard,
     split,
 )
 from axon.model.loader.mxfp4 import dequantize_mxfp4
 from axon.model.loader.safetensors_loader import LazyTensor
-from axon.model.models.llama import STACKED_PARAMS
+from axon.model.models.llama import STACKED_PARAMS, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from axon.model.models.weights import load_by_name
 
 logger = logging.getLogger(__name__)
@@ -184,30 +182,24 @@ class GptOssMLP(nn.Module):
         return tp_all_reduce(self.experts(x, self.router(x)))
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer (its forward: fused residual adds and norms) with GPT-OSS's parts."""
+
     def __init__(
         self, arch: GptOssArch, rotary: RotaryEmbedding, backend: AttentionBackend, index: int
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = GptOssAttention(arch, rotary, backend, index)
         self.mlp = GptOssMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
-        return self.mlp(h), residual
 
+class GptOssModel(LlamaModel):
+    """Llama's decoder stack (its forward and the EAGLE3 auxiliary states) of GPT-OSS layers."""
 
-class GptOssModel(nn.Module):
     def __init__(self, arch: GptOssArch, backend: AttentionBackend) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_theta, arch.rope_scaling)
         self.layers = nn.ModuleList(
@@ -215,44 +207,16 @@ class GptOssModel(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
 
+class GptOssForCausalLM(LlamaForCausalLM):
+    """forward(input_ids, positions) -> hidden states; compute_logits(hidden) -> [N, vocab];
+    everything but the architecture and the checkpoint's names is LlamaForCausalLM's."""
 
-class GptOssForCausalLM(nn.Module):
-    """forward(input_ids, positions) -> hidden states; compute_logits(hidden) -> [N, vocab]."""
-
-    stacked_params = STACKED_PARAMS
-    supports_tensor_parallel = True
+    model_class = GptOssModel
 
     @classmethod
-    def arch_from_hf(cls, hf_config: dict[str, Any]) -> GptOssArch:
+    def arch_from_hf(cls, hf_config: dict[str, Any]) -> GptOssArch:  # type: ignore[override]
         return GptOssArch.from_hf(hf_config)
-
-    def __init__(self, hf_config: dict[str, Any], backend: AttentionBackend) -> None:
-        super().__init__()
-        self.arch = self.arch_from_hf(hf_config)
-        self.model = GptOssModel(self.arch, backend)
-        first_row, rows = padded_vocab_share(self.arch.vocab_size)
-        self.lm_head = nn.Linear(self.arch.hidden_size, rows, bias=False)
-        set_shard(self.lm_head, "weight", 0, (first_row,))
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather_logits(self.lm_head(hidden), self.arch.vocab_size)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face's names; the stacked experts (plain or MXFP4) into ``FusedMoE``'s layout."""

@@ -242,6 +242,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     stacked_params = STACKED_PARAMS  # checkpoint layer -> (merged layer, shard)
     supports_tensor_parallel = True
+    model_class: type[nn.Module]  # the decoder stack (LlamaModel, set below)
 
     @classmethod
     def arch_from_hf(cls, hf_config: dict[str, Any]) -> DecoderArch:
@@ -250,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: dict[str, Any], backend: AttentionBackend) -> None:
         super().__init__()
         self.arch = self.arch_from_hf(hf_config)
-        self.model = LlamaModel(self.arch, backend)
+        self.model = self.model_class(self.arch, backend)
         # This rank's rows of the vocabulary (all of it with one rank), as the embedding's.
         first_row, rows = padded_vocab_share(self.arch.vocab_size)
         self.lm_head = nn.Linear(self.arch.hidden_size, rows, bias=False)
@@ -304,6 +305,9 @@ class LlamaForCausalLM(nn.Module):
 
         optional = frozenset({"lm_head.weight"} if tied else ())
         load_by_name(self, weights, rename, optional, STACKED_PARAMS)
+
+
+LlamaForCausalLM.model_class = LlamaModel
 
 
 class MistralForCausalLM(LlamaForCausalLM):
