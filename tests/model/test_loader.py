@@ -81,6 +81,7 @@ LAYER_GGUF_NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
 }
 
 
@@ -585,7 +586,9 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     path = write_gguf(
         tmp_path / "mamba.gguf", spec, {"token_embd.weight": (np.zeros((VOCAB_SIZE, 64), np.float32), None)}
     )
-    with pytest.raises(ValueError, match=r"'mamba'.*supported: \['llama', 'qwen2', 'qwen3'\]") as info:
+    with pytest.raises(
+        ValueError, match=r"'mamba'.*supported: \['llama', 'qwen2', 'qwen3', 'qwen3moe'\]"
+    ) as info:
         gguf_to_hf_folder(str(path), str(tmp_path / "cache"))
     assert str(path) in str(info.value)
 
@@ -693,3 +696,75 @@ def test_dummy_load_format_draws_seeded_weights_on_the_device(tiny_model_dir) ->
     again, other = weights(0), weights(1)
     assert all(torch.equal(first[n], again[n]) for n in first)
     assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+# ---- a mixture of experts (llama.cpp's qwen3moe) ------------------------------------------------
+
+
+def test_a_qwen3moe_gguf_matches_transformers(tmp_path: Path) -> None:
+    """llama.cpp stores each layer's experts stacked (``ffn_{gate,up,down}_exps`` [E, out, in])
+    beside the router (``ffn_gate_inp``); the converted folder's model gives transformers' logits
+    for the same weights."""
+    import transformers as tf
+
+    spec = TinySpec("qwen3moe", qk_norm=True)
+    experts, used, width = 4, 2, 32
+    config = tf.Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        moe_intermediate_size=width,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        num_experts=experts,
+        num_experts_per_tok=used,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)
+    hf_folder = tmp_path / "hf"
+    hf.save_pretrained(hf_folder)
+    weights = load_file(hf_folder / "model.safetensors")
+    tensors: dict[str, tuple[np.ndarray, Q | None]] = {}
+    for name, w in weights.items():
+        if ".mlp.experts." in name:
+            continue
+        tensors[gguf_name(name)] = (w.numpy(), None)
+    for layer in range(spec.layers):
+        for part, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            stacked = torch.stack(
+                [weights[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"] for e in range(experts)]
+            )
+            tensors[f"blk.{layer}.ffn_{short}_exps.weight"] = (stacked.numpy(), None)
+    writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "qwen3moe")
+    add_metadata(writer, spec)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(used)
+    writer.add_expert_feed_forward_length(width)
+    for name, (array, raw_dtype) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    from axon import LLM
+    from axon.worker.logit_validation import teacher_forced_logits
+
+    llm = LLM(model=str(tmp_path / "moe.gguf"), dtype="float32", max_model_len=128, block_size=4)
+    model = llm.llm_engine.engine_core.executor.worker.model
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    token_ids = [5, 17, 42, 99, 7, 3, 200, 150, 11, 60, 61, 62, 8]
+    with torch.no_grad():
+        expected = hf(torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(
+        teacher_forced_logits(model, token_ids, block_size=4), expected, atol=1e-4, rtol=1e-4
+    )

@@ -57,12 +57,14 @@ class GGUFArchitecture:
     permuted_rotary: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: bool = False  # every layer's MLP a mixture of experts (expert_count, ffn_*_exps)
 
 
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("LlamaForCausalLM", "llama", True, False, False),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", False, True, False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", False, False, True),
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", "qwen3_moe", False, False, True, moe=True),
 }
 
 _GLOBAL_TENSOR_NAMES = {
@@ -82,6 +84,12 @@ _LAYER_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # Mixture of experts: the router, and each projection of every expert stacked [E, out, in]
+    # (split into Hugging Face's per-expert tensors as they are written).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Not a parameter: llama3 rope frequency factors, folded into config.json's rope_scaling.
@@ -206,7 +214,7 @@ def _hf_config(meta: _Metadata, spec: GGUFArchitecture, tensors: dict[str, Reade
         "architectures": [spec.hf_architecture],
         "model_type": spec.model_type,
         "hidden_size": hidden_size,
-        "intermediate_size": int(meta.arch_get("feed_forward_length", required=True)),
+        "intermediate_size": int(meta.arch_get("feed_forward_length", required=not spec.moe) or 0),
         "num_hidden_layers": int(meta.arch_get("block_count", required=True)),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(meta.arch_get("attention.head_count_kv", num_heads)),
@@ -221,6 +229,16 @@ def _hf_config(meta: _Metadata, spec: GGUFArchitecture, tensors: dict[str, Reade
     }
     if spec.model_type != "qwen2":
         config["attention_bias"] = False
+    if spec.moe:  # llama.cpp's qwen3moe: every layer sparse, top-k renormalized
+        experts = int(meta.arch_get("expert_count", required=True))
+        config |= {
+            "num_experts": experts,
+            "num_experts_per_tok": int(meta.arch_get("expert_used_count", required=True)),
+            "moe_intermediate_size": int(meta.arch_get("expert_feed_forward_length", required=True)),
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
         token_id = meta.get(f"tokenizer.ggml.{key}")
         if token_id is not None:
@@ -320,7 +338,11 @@ def _expected_hf_names(spec: GGUFArchitecture, config: dict[str, Any]) -> set[st
         names.add("lm_head.weight")
     layer_parts = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
     layer_parts += ["self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
-    layer_parts += ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    if spec.moe:
+        layer_parts += ["mlp.gate.weight", *(f"mlp.experts.{part}.weight" for part in mlp)]
+    else:
+        layer_parts += [f"mlp.{part}.weight" for part in mlp]
     if spec.qkv_bias:
         layer_parts += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if spec.qk_norm:
@@ -387,6 +409,11 @@ def _iter_hf_tensors(
             weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
         elif spec.permuted_rotary and ".self_attn.k_proj." in hf_name:
             weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
+        if ".mlp.experts." in hf_name:  # [E, out, in] -> one tensor per expert
+            block, part = hf_name.split(".mlp.experts.")
+            for expert, w in enumerate(weight):
+                yield f"{block}.mlp.experts.{expert}.{part}", w.contiguous()
+            continue
         yield hf_name, weight
 
 
