@@ -76,12 +76,13 @@ def _check_kv_heads(num_kv_heads: int, size: int) -> None:
         )
 
 
-def check_split(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+def check_split(num_heads: int, num_kv_heads: int, intermediate_size: int | None, size: int) -> None:
     """Raise (naming the dimension) unless a decoder with these sizes splits across ``size``
-    ranks; what start-up checks before any rank loads."""
+    ranks; what start-up checks before any rank loads. ``intermediate_size`` None: no dense MLP."""
     check_share(num_heads, size, "number of attention heads")
     _check_kv_heads(num_kv_heads, size)
-    check_share(intermediate_size, size, "intermediate_size")
+    if intermediate_size is not None:
+        check_share(intermediate_size, size, "intermediate_size")
 
 
 def padded_vocab_share(vocab_size: int) -> tuple[int, int]:
