@@ -194,3 +194,20 @@ def test_structured_outputs_with_speculation(smollm2_path: str) -> None:
     text = out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "length" or "a" in json.loads(text), text
     assert _stats(llm)[0] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_mixture_of_experts_targets_keep_their_greedy_output(
+    family: str, method: str, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Speculation on Qwen3-MoE and GPT-OSS (sinks, sliding windows: verification rows past the
+    window), with an EAGLE3 head reading their auxiliary hidden states."""
+    moe = tiny_model_dir(family)
+    baseline = _tokens(LLM(model=moe, **COMMON))
+    model = None
+    if method == "eagle3":
+        model = _save_head(load_hf_config(moe), str(tmp_path_factory.mktemp(f"eagle3-{family}")))
+    llm = LLM(model=moe, speculative_config=_spec(method, model), **COMMON)
+    assert _tokens(llm) == baseline
+    assert _stats(llm)[0] > 0
