@@ -12,7 +12,7 @@ import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
 
-from axon import LLM
+from axon import LLM, SamplingParams
 from axon.model.layers.moe import FusedMoE, MoeMath, activate, moe_loop, pack_experts, route
 from axon.worker.logit_validation import teacher_forced_logits
 
@@ -307,3 +307,15 @@ def test_bf16_gpt_oss_on_the_fused_op_and_cpu_flash_tracks_transformers(
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() < 0.05 * scale
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_quantization_leaves_the_router_and_the_experts_in_the_model_dtype(tiny_model_dir) -> None:
+    from axon.model.layers.quant import QuantLinear
+
+    llm = LLM(model=tiny_model_dir("qwen3_moe"), dtype="bfloat16", max_model_len=64, quantization="int8")
+    model = llm.llm_engine.engine_core.executor.worker.model
+    block = model.model.layers[0].mlp
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)  # the rest is quantized
+    assert not isinstance(block.gate, QuantLinear) and isinstance(block.experts, FusedMoE)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axon.model.layers.moe import FusedMoE
+
 # Code kinds, as the C++ kernel numbers them.
 KIND_INT8, KIND_UINT4, KIND_FP8 = 0, 1, 2
 KIND_NAMES = {KIND_INT8: "int8", KIND_UINT4: "uint4", KIND_FP8: "fp8_e4m3"}
@@ -325,7 +327,7 @@ def quantize_linears(
 
     ``given`` (gguf): module name -> its weight already quantized (the file's blocks, the LM head's
     included); a layer not in it stays as it is (a GGUF tensor stored as F32/F16 has no codes).
-    Other methods quantize each layer's own weight, all but the LM head (vLLM's convention: the
+    Other methods quantize each layer's own weight, all but the LM head and MoE routers (vLLM's convention: the
     logits are the most sensitive to rounding; on SmolLM2, fp8 with the head in bf16 keeps 92% top-1
     agreement with bf16 over 1,000 positions, 84.5% with the head in FP8). The layer keeps its own copy: a weight tied to an
     embedding stays with the embedding, in full precision.
@@ -340,6 +342,8 @@ def quantize_linears(
     for parent, name, child, full_name in targets:
         if given is None and full_name == "lm_head":
             continue  # as vLLM: the LM head stays in the model's dtype
+        if given is None and isinstance(getattr(parent, "experts", None), FusedMoE):
+            continue  # a mixture of experts' router: its top-k choice is the most sensitive part
         if given is not None:
             weight = given.get(full_name)
             if weight is None:
