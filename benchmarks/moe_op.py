@@ -3,7 +3,7 @@
     python -m benchmarks.moe_op [--reps 9] [--threads 2]
 
 One sparse block of the MoE workload's model (``benchmarks.common.QWEN3_MOE_SHAPE``: hidden 1024,
-16 experts of 512, 4 per token), bfloat16, random weights and router logits, at 1 token (a
+16 experts of 512, 4 per token), Qwen3-MoE's and GPT-OSS's (its routing, biases and swigluoai), bfloat16, random weights and router logits, at 1 token (a
 single decode), 16 (a batch-16 decode step), 128 and 512 tokens (prefills). ``loop`` is
 ``axon.model.layers.moe.moe_loop``, transformers' way (one ``F.linear`` pair per picked expert,
 ``index_add_``); ``fused`` is ``torch.ops.axon_cpu.fused_moe`` on the packed weights. Medians of
@@ -13,6 +13,7 @@ single decode), 16 (a batch-16 decode step), 128 and 512 tokens (prefills). ``lo
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -42,31 +43,36 @@ def main() -> None:
         raise SystemExit("the fused MoE op needs axon's C++ kernels on a CPU with AVX-512 BF16")
     shape = QWEN3_MOE_SHAPE
     hidden, experts, top_k = shape["hidden_size"], shape["num_experts"], shape["num_experts_per_tok"]
+    width = shape["moe_intermediate_size"]
+    blocks = {  # the block of each model family, on the same shape
+        "qwen3_moe": (MoeMath(top_k, renormalize=True), False),
+        "gpt_oss": (MoeMath(top_k, routing="topk_softmax", activation="swigluoai"), True),
+    }
     gen = torch.Generator().manual_seed(0)
-    math = MoeMath(top_k, renormalize=True)
-    loop = FusedMoE(experts, hidden, shape["moe_intermediate_size"], math)
-    with torch.no_grad():
-        loop.w13_weight.copy_(torch.randn(loop.w13_weight.shape, generator=gen) * 0.02)
-        loop.w2_weight.copy_(torch.randn(loop.w2_weight.shape, generator=gen) * 0.02)
-    loop = loop.bfloat16()
-    fused = FusedMoE(experts, hidden, shape["moe_intermediate_size"], math).bfloat16()
-    fused.load_state_dict(loop.state_dict())
-    fused.pack()
     rows = []
     with torch.inference_mode():
-        for tokens in TOKENS:
-            x = torch.randn(tokens, hidden, generator=gen).bfloat16()
-            logits = torch.randn(tokens, experts, generator=gen).bfloat16()
-            loop_us, fused_us = median_us_each(
-                [lambda x=x, g=logits: loop(x, g), lambda x=x, g=logits: fused(x, g)], args.reps
-            )
-            rows.append([str(tokens), f"{loop_us:,.0f}", f"{fused_us:,.0f}", f"{loop_us / fused_us:.1f}x"])
+        for family, (math, bias) in blocks.items():
+            loop = FusedMoE(experts, hidden, width, math, bias=bias)
+            for p in loop.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            loop = loop.bfloat16()
+            fused = FusedMoE(experts, hidden, width, math, bias=bias).bfloat16()
+            fused.load_state_dict(loop.state_dict())
+            fused.pack()
+            for tokens in TOKENS:
+                x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+                logits = torch.randn(tokens, experts, generator=gen).bfloat16()
+                loop_us, fused_us = median_us_each(
+                    [functools.partial(loop, x, logits), functools.partial(fused, x, logits)], args.reps
+                )
+                speedup = f"{loop_us / fused_us:.1f}x"
+                rows.append([family, str(tokens), f"{loop_us:,.0f}", f"{fused_us:,.0f}", speedup])
     print(cpu_summary())
     print(
-        f"one MoE block: hidden {hidden}, {experts} experts of {shape['moe_intermediate_size']}, "
-        f"top-{top_k}, bf16, {args.threads} threads, median of {args.reps}"
+        f"one MoE block: hidden {hidden}, {experts} experts of {width}, top-{top_k}, bf16, "
+        f"{args.threads} threads, median of {args.reps}"
     )
-    print(markdown_table(["tokens", "loop us", "fused us", "fused speedup"], rows))
+    print(markdown_table(["block", "tokens", "loop us", "fused us", "fused speedup"], rows))
 
 
 if __name__ == "__main__":
