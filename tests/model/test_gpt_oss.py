@@ -5,6 +5,7 @@ hits across the sliding window."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def _copy(folder: Path, out: Path, tensors: dict[str, torch.Tensor], config: dic
     return str(out)
 
 
-def test_an_mxfp4_checkpoint_loads_as_its_dequantized_weights(tiny_model_dir, tmp_path: Path) -> None:
+def test_an_mxfp4_checkpoint_loads_as_its_dequantized_weights(tiny_model_dir, tmp_path: Path, caplog) -> None:
     """OpenAI ships the experts as ``*_blocks`` / ``*_scales`` over [E, out, in]; loading them
     equals loading the very values they stand for, stored as plain tensors."""
     folder = Path(tiny_model_dir("gpt_oss"))
@@ -69,7 +70,13 @@ def test_an_mxfp4_checkpoint_loads_as_its_dequantized_weights(tiny_model_dir, tm
         model = llm.llm_engine.engine_core.executor.worker.model
         return [p for m in model.modules() if isinstance(m, FusedMoE) for p in (m.w13_weight, m.w2_weight)]
 
-    got, want = experts(mxfp4), experts(dequantized)
+    with caplog.at_level(logging.INFO, logger="axon.model.models.gpt_oss"):
+        got = experts(mxfp4)
+    assert "dequantized 8 MXFP4 expert tensors to torch.float32 at load" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="axon.model.models.gpt_oss"):
+        want = experts(dequantized)
+    assert "MXFP4" not in caplog.text  # plain experts: nothing to dequantize
     assert len(got) == 8
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)

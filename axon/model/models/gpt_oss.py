@@ -223,7 +223,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         blocks = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
         loaded: set[str] = set()
         pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 tensor -> its blocks and scales
-        dequantized = [0]
+        dequantized: list[str] = []  # the MXFP4 tensors read
 
         def load_experts(name: str, tensor: torch.Tensor) -> None:
             block_name, _, leaf = name.rpartition(".")
@@ -279,7 +279,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
                     )
                     load_experts(base, w.transpose(1, 2))  # [E, out, in] -> the checkpoint's x @ W layout
                     del pending[base]
-                    dequantized[0] += 1
+                    dequantized.append(base)
 
         tied = self.arch.tie_word_embeddings
 
@@ -293,7 +293,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         load_by_name(self, the_rest(), rename, frozenset(optional), STACKED_PARAMS)
         if dequantized:
             logger.info(
-                "dequantized %d MXFP4 expert tensors to %s at load", dequantized[0], self.lm_head.weight.dtype
+                "dequantized %d MXFP4 expert tensors to %s at load",
+                len(dequantized),
+                self.lm_head.weight.dtype,
             )
         if pending:
             name = next(iter(pending))
