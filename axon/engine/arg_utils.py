@@ -154,9 +154,9 @@ def _check_tensor_parallel(config: AxonConfig, model_class: type, hf: dict[str, 
             f"{model_class.__name__} cannot be split across ranks yet: tensor_parallel_size must be 1"
         )
     arch = model_class.arch_from_hf(hf)
-    dense = len(getattr(arch, "sparse_layers", ())) < arch.num_layers
+    dense = len(arch.sparse_layers) < arch.num_layers
     check_split(arch.num_heads, arch.num_kv_heads, arch.intermediate_size if dense else None, tp)
-    if getattr(arch, "num_experts", 0):
+    if arch.num_experts:
         if config.parallel_config.enable_expert_parallel:
             check_share(arch.num_experts, tp, "number of experts (enable_expert_parallel)")
         else:

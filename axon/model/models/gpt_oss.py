@@ -19,6 +19,7 @@ into ``FusedMoE``'s [E, 2I (gate, up), H] and [E, H, I].
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,20 +30,22 @@ from torch import nn
 
 from axon.distributed.parallel_state import tp_all_reduce
 from axon.model.layers.attention import AttentionBackend
-from axon.model.layers.attention.layer import Attention
-from axon.model.layers.linear import MergedLinear
 from axon.model.layers.moe import FusedMoE, MoeMath, expert_share
 from axon.model.layers.norm import RMSNorm
-from axon.model.layers.rotary import RotaryEmbedding, rope_parameters
+from axon.model.layers.rotary import RotaryEmbedding
 from axon.model.layers.tensor_parallel import (
     VocabParallelEmbedding,
-    kv_heads,
-    set_shard,
-    split,
 )
 from axon.model.loader.mxfp4 import dequantize_mxfp4
 from axon.model.loader.safetensors_loader import LazyTensor
-from axon.model.models.llama import STACKED_PARAMS, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from axon.model.models.llama import (
+    STACKED_PARAMS,
+    DecoderArch,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
 from axon.model.models.weights import load_by_name
 
 logger = logging.getLogger(__name__)
@@ -51,37 +54,17 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class GptOssArch:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any]
-    max_position: int
-    tie_word_embeddings: bool
-    num_experts: int
-    num_experts_per_tok: int
-    intermediate_size: int  # each expert's
-    sliding_window: int
-    layer_types: tuple[str, ...]
-    swiglu_alpha: float
-    swiglu_limit: float
+class GptOssArch(DecoderArch):
+    """Llama's decoder dimensions (every MLP sparse: ``sparse_layers`` all of them, each expert
+    ``moe_intermediate_size`` wide) and GPT-OSS's own."""
 
-    # What start-up's tensor-parallel checks read (axon/engine/arg_utils.py): every MLP is sparse.
-    @property
-    def sparse_layers(self) -> frozenset[int]:
-        return frozenset(range(self.num_layers))
-
-    @property
-    def moe_intermediate_size(self) -> int:
-        return self.intermediate_size
+    sliding_window: int = 128
+    layer_types: tuple[str, ...] = ()
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> GptOssArch:
+    def from_hf(cfg: dict[str, Any]) -> GptOssArch:  # type: ignore[override]
         num_layers = cfg["num_hidden_layers"]
         layer_types = tuple(
             cfg.get("layer_types")
@@ -92,22 +75,19 @@ class GptOssArch:
             raise ValueError(
                 f"layer_types must name {num_layers} layers, each one of {', '.join(LAYER_TYPES)}; got {list(layer_types)}"
             )
-        theta, scaling = rope_parameters(cfg)
+        # GPT-OSS's defaults where its config.json leaves them out.
+        base = DecoderArch.from_hf(
+            {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072} | cfg, qkv_bias=True
+        )
         return GptOssArch(
-            hidden_size=cfg["hidden_size"],
-            num_layers=num_layers,
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position=cfg.get("max_position_embeddings", 131072),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            num_experts=cfg.get("num_local_experts", cfg.get("num_experts", 0)),
-            num_experts_per_tok=cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4)),
-            intermediate_size=cfg["intermediate_size"],
+            **{f.name: getattr(base, f.name) for f in dataclasses.fields(DecoderArch)}
+            | {
+                "sparse_layers": frozenset(range(num_layers)),
+                "num_experts": cfg.get("num_local_experts", cfg.get("num_experts", 0)),
+                "num_experts_per_tok": cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4)),
+                "moe_intermediate_size": cfg["intermediate_size"],
+                "norm_topk_prob": False,  # its routing softmaxes the top k: nothing to renormalize
+            },
             sliding_window=cfg.get("sliding_window") or 128,
             layer_types=layer_types,
             swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
@@ -115,46 +95,19 @@ class GptOssArch:
         )
 
 
-class GptOssAttention(nn.Module):
-    """Under tensor parallelism: this rank's query and KV heads and their sinks, o_proj's matching
-    input columns, one all-reduce, then o_proj's bias (once, after the sum)."""
+class GptOssAttention(LlamaAttention):
+    """Llama's attention with biased q/k/v (``arch.qkv_bias``), sinks, the layer's sliding window
+    if it is a ``sliding_attention`` layer, and o_proj's bias added once, after the all-reduce."""
 
     def __init__(
         self, arch: GptOssArch, rotary: RotaryEmbedding, backend: AttentionBackend, index: int
     ) -> None:
-        super().__init__()
-        h, d = arch.hidden_size, arch.head_dim
-        first_q, self.num_heads = split(arch.num_heads, "number of attention heads")
-        first_kv, self.num_kv_heads = kv_heads(arch.num_kv_heads, arch.num_heads)
-        self.head_dim = d
-        self.qkv_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
-        self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=True)
-        starts = (first_q * d, first_kv * d, first_kv * d)
-        set_shard(self.qkv_proj, "weight", 0, starts)
-        set_shard(self.qkv_proj, "bias", 0, starts)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        set_shard(self.o_proj, "weight", 1, (first_q * d,))
-        self.o_bias = nn.Parameter(torch.empty(h))  # the checkpoint's o_proj.bias
-        self.rotary = rotary
         window = arch.sliding_window if arch.layer_types[index] == "sliding_attention" else None
-        self.attn = Attention(
-            self.num_heads,
-            self.num_kv_heads,
-            d,
-            backend,
-            sliding_window=window,
-            sinks=torch.empty(self.num_heads),
-        )
-        set_shard(self.attn, "sinks", 0, (first_q,))
+        super().__init__(arch, rotary, backend, sliding_window=window, sinks=True)
+        self.o_bias = nn.Parameter(torch.empty(arch.hidden_size))  # the checkpoint's o_proj.bias
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return tp_all_reduce(self.o_proj(self.attn(q, k, v).reshape(t, -1))) + self.o_bias
+        return super().forward(positions, x) + self.o_bias
 
 
 class GptOssMLP(nn.Module):
@@ -175,7 +128,7 @@ class GptOssMLP(nn.Module):
             arch.hidden_size,
             math=math,
             bias=True,
-            **expert_share(arch.num_experts, arch.intermediate_size),
+            **expert_share(arch.num_experts, arch.moe_intermediate_size),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,7 +184,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             target_name = _EXPERT_TARGETS.get(leaf)
             if block is None or target_name is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            e, h, i = block.num_experts, block.hidden_size, self.arch.intermediate_size
+            e, h, i = block.num_experts, block.hidden_size, self.arch.moe_intermediate_size
             expected = {
                 "gate_up_proj": (e, h, 2 * i),
                 "gate_up_proj_bias": (e, 2 * i),

@@ -88,10 +88,18 @@ class DecoderArch:
 
 
 class LlamaAttention(nn.Module):
-    """Under tensor parallelism: this rank's query and KV heads (axon/model/layers/tensor_parallel.py),
-    o_proj's matching input columns, and one all-reduce of its output."""
+    """Under tensor parallelism: this rank's query and KV heads (axon/model/layers/tensor_parallel.py)
+    and their sinks, o_proj's matching input columns, and one all-reduce of its output. A layer
+    may read only the last ``sliding_window`` keys and have attention sinks (GPT-OSS)."""
 
-    def __init__(self, arch: DecoderArch, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        arch: DecoderArch,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+        sinks: bool = False,
+    ) -> None:
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
         first_q, self.num_heads = split(arch.num_heads, "number of attention heads")
@@ -109,7 +117,16 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
         self.qk_norm = arch.qk_norm
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, backend)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            d,
+            backend,
+            sliding_window=sliding_window,
+            sinks=torch.empty(self.num_heads) if sinks else None,
+        )
+        if sinks:
+            set_shard(self.attn, "sinks", 0, (first_q,))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x [T, hidden] -> [T, hidden]
