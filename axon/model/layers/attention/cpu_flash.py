@@ -41,6 +41,7 @@ def _fused_layer_op(
 
 
 def _sinks_f32(spec: AttentionSpec) -> torch.Tensor | None:
+    """The spec's sinks as the kernels read them (a bound layer's are float32 already: no copy)."""
     return None if spec.sinks is None else spec.sinks.detach().float().contiguous()
 
 

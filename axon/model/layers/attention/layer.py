@@ -72,8 +72,10 @@ class Attention(nn.Module):
     ) -> None:
         assert (kv_cache is not None) == self.is_decoder, "decoder layers, and only they, have a KV cache"
         self.layer_idx, self.kv_cache, self.kv_scales = layer_idx, kv_cache, kv_scales
-        if self.sinks is not None:  # materialised and loaded since __init__
-            self.spec = dataclasses.replace(self.spec, sinks=self.sinks)
+        if (
+            self.sinks is not None
+        ):  # materialised and loaded since __init__; float32, as every backend reads them
+            self.spec = dataclasses.replace(self.spec, sinks=self.sinks.detach().float().contiguous())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, H, D]; k, v [T, KVH, D] -> [T, H, D]
