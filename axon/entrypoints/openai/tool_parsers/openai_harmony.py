@@ -28,5 +28,6 @@ class OpenAIToolParser(ToolParser):
             for m in messages
             if m.recipient is not None and m.recipient.startswith(FUNCTIONS)
         ]
-        parsed = ParsedOutput(final_text(messages), calls)
-        return checked(final_text(messages), parsed) if final else parsed
+        content = final_text(messages)
+        parsed = ParsedOutput(content, calls)
+        return checked(content, parsed) if final else parsed
