@@ -165,10 +165,18 @@ def add_metadata(writer: gguf.GGUFWriter, spec: TinySpec) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def write_gguf(path: Path, spec: TinySpec, tensors: Mapping[str, tuple[np.ndarray, Q | None]]) -> Path:
-    """tensors: GGUF name -> (numpy array in its stored form, raw ggml type or None for plain floats)."""
+def write_gguf(
+    path: Path,
+    spec: TinySpec,
+    tensors: Mapping[str, tuple[np.ndarray, Q | None]],
+    more_metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> Path:
+    """tensors: GGUF name -> (numpy array in its stored form, raw ggml type or None for plain
+    floats); ``more_metadata`` adds keys beyond ``add_metadata``'s."""
     writer = gguf.GGUFWriter(str(path), spec.arch)
     add_metadata(writer, spec)
+    if more_metadata is not None:
+        more_metadata(writer)
     for name, (array, raw_dtype) in tensors.items():
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
     writer.write_header_to_file()
@@ -744,22 +752,18 @@ def test_a_qwen3moe_gguf_matches_transformers(tmp_path: Path) -> None:
                 [weights[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"] for e in range(experts)]
             )
             tensors[f"blk.{layer}.ffn_{short}_exps.weight"] = (stacked.numpy(), None)
-    writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "qwen3moe")
-    add_metadata(writer, spec)
-    writer.add_expert_count(experts)
-    writer.add_expert_used_count(used)
-    writer.add_expert_feed_forward_length(width)
-    for name, (array, raw_dtype) in tensors.items():
-        writer.add_tensor(name, array, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def expert_metadata(writer: gguf.GGUFWriter) -> None:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(used)
+        writer.add_expert_feed_forward_length(width)
+
+    path = write_gguf(tmp_path / "moe.gguf", spec, tensors, expert_metadata)
 
     from axon import LLM
     from axon.worker.logit_validation import teacher_forced_logits
 
-    llm = LLM(model=str(tmp_path / "moe.gguf"), dtype="float32", max_model_len=128, block_size=4)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=4)
     model = llm.llm_engine.engine_core.executor.worker.model
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     token_ids = [5, 17, 42, 99, 7, 3, 200, 150, 11, 60, 61, 62, 8]
