@@ -128,6 +128,12 @@ class ParallelConfig:
     data_parallel_rpc_port: int = 29550
     """The head's TCP port on data_parallel_address where other hosts' engine cores join it
     (vLLM's default)."""
+    decode_context_parallel_size: int = 1
+    """Shard each sequence's KV cache by position across this many ranks of the tensor-parallel
+    group that hold the same KV heads (vLLM's DCP): each rank keeps 1/N of every sequence, so
+    the cache holds N times the context, and attention merges the ranks' partial results by
+    log-sum-exp. It divides tensor_parallel_size, and each KV head must be replicated on N ranks
+    (tensor_parallel_size a multiple of num_key_value_heads x N)."""
     enable_expert_parallel: bool = False
     """MoE models: each of the tensor_parallel_size ranks holds num_experts / N whole experts
     (expert parallelism) instead of 1/N of every expert's width; attention splits as usual."""
@@ -236,6 +242,12 @@ class AxonConfig:
     observability_config: ObservabilityConfig = ObservabilityConfig()
     device_config: DeviceConfig = DeviceConfig()
     additional_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Positions of a sequence one KV block id covers, as the scheduler counts them: block_size,
+        times decode_context_parallel_size (each rank of a group holds block_size of them)."""
+        return self.cache_config.block_size * self.parallel_config.decode_context_parallel_size
 
 
 _RESOLVED_ONLY = {"model_path", "hf_config", "gguf_file"}
@@ -411,10 +423,16 @@ def validate_config(config: AxonConfig) -> None:
         "must be at least 1",
     )
     need(s.scheduling_policy == "fcfs", "scheduling_policy", s.scheduling_policy, "supports only 'fcfs'")
-    for name in ("tensor_parallel_size", "data_parallel_size"):
+    for name in ("tensor_parallel_size", "data_parallel_size", "decode_context_parallel_size"):
         value = getattr(p, name)
         need(isinstance(value, int) and value >= 1, name, value, "must be an integer of at least 1")
     need(p.pipeline_parallel_size == 1, "pipeline_parallel_size", p.pipeline_parallel_size, "must be 1")
+    need(
+        p.tensor_parallel_size % p.decode_context_parallel_size == 0,
+        "decode_context_parallel_size",
+        p.decode_context_parallel_size,
+        f"must divide tensor_parallel_size ({p.tensor_parallel_size}): its ranks are tensor-parallel ranks",
+    )
     _validate_data_parallel_hosts(p)
     need(
         0 <= p.data_parallel_rank < p.data_parallel_size,

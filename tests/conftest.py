@@ -57,6 +57,14 @@ def tiny_hf_config(family: str, tokenizer=None):
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
+    if family == "llama_one_kv_head_full_vocab":  # decode context parallelism through axon serve
+        dims = TINY_DIMS | {"num_hidden_layers": 4, "vocab_size": len(tokenizer), "num_key_value_heads": 1}
+        return tf.LlamaConfig(
+            **dims,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     if family == "llama":
         return tf.LlamaConfig(**TINY_DIMS, tie_word_embeddings=False)
     if family == "llama3":
@@ -79,6 +87,8 @@ def tiny_hf_config(family: str, tokenizer=None):
         return tf.Qwen2Config(**TINY_DIMS)
     if family == "qwen3":
         return tf.Qwen3Config(**TINY_DIMS, head_dim=32)
+    if family == "qwen3_one_kv_head":  # decode context parallelism: one KV head on every rank
+        return tf.Qwen3Config(**{**TINY_DIMS, "num_key_value_heads": 1}, head_dim=32)
     if family == "qwen3_moe":
         # Layer 0 sparse (8 experts, 2 per token), layer 1 dense (mlp_only_layers).
         return tf.Qwen3MoeConfig(

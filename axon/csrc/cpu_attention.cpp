@@ -45,6 +45,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -53,6 +54,7 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <tuple>
 
 #include "cpu_vec.h"
 
@@ -94,6 +96,10 @@ struct Item {
   int64_t all_keys;  // > 0: not causal, every query reads keys 0 .. all_keys - 1
   int64_t window;      // > 0: a query at position p reads keys p - window + 1 .. p only
   const float* sinks;  // [num_heads] logits that join each row's softmax denominator; nullptr: none
+  // Decode context parallelism: the cache holds one rank's share of each sequence, key j being
+  // position j * dcp_world + dcp_rank (world 1: key j is position j).
+  int64_t dcp_world, dcp_rank;
+  float* lse;  // [tokens, num_heads]: each row's log-sum-exp of its scaled scores; nullptr: none
 
   int64_t rows_per_head() const { return (q_end - q_begin) * group; }
   int64_t rows() const { return num_item_heads * rows_per_head(); }
@@ -103,7 +109,12 @@ struct Item {
     const int64_t head = (kv_head + r / rows_per_head()) * group + r % group;
     return ((first_token + row_query(r)) * num_heads + head) * head_dim;
   }
-  int64_t last_key(int64_t r) const { return all_keys > 0 ? all_keys - 1 : first_pos + row_query(r); }
+  // The last key a query at position pos reads (-1: none, a rank without a key that early).
+  int64_t last_local_key(int64_t pos) const {
+    if (dcp_world == 1) return pos;
+    return pos >= dcp_rank ? (pos - dcp_rank) / dcp_world : -1;
+  }
+  int64_t last_key(int64_t r) const { return all_keys > 0 ? all_keys - 1 : last_local_key(first_pos + row_query(r)); }
   int64_t first_key(int64_t r) const {
     return window > 0 ? std::max<int64_t>(0, first_pos + row_query(r) - window + 1) : 0;
   }
@@ -113,7 +124,10 @@ struct Item {
   }
   bool has_sink() const { return sinks != nullptr; }
   float sink(int64_t r) const { return sinks[(kv_head + r / rows_per_head()) * group + r % group]; }
-  int64_t num_keys() const { return all_keys > 0 ? all_keys : first_pos + q_end; }  // the most any row reads
+  int64_t num_keys() const {  // the most any row reads
+    return all_keys > 0 ? all_keys : last_local_key(first_pos + q_end - 1) + 1;
+  }
+  int64_t lse_index(int64_t r) const { return row_offset(r) / head_dim; }
   // Offset of key j of the item's first KV head (the next heads follow, head_dim apart).
   int64_t key_offset(int64_t j) const {
     return table[j / block_size] * block_stride + (j % block_size) * token_stride + kv_head * head_dim;
@@ -174,13 +188,17 @@ void load_rows(const Item<scalar_t, cache_t>& it, float* qf, float* acc) {
   }
 }
 
+// Each row's output (its weighted values over its sum) and, where the item asks, its log-sum-exp
+// from its maximum score (row_max) and its sum; a row without keys: zeros and kNoScore.
 template <typename scalar_t, typename cache_t>
-void store_rows(const Item<scalar_t, cache_t>& it, const float* acc, const float* row_sum) {
+void store_rows(const Item<scalar_t, cache_t>& it, const float* acc, const float* row_sum,
+                const float* row_max = nullptr) {
   const int64_t D = it.head_dim;
   for (int64_t r = 0; r < it.rows(); ++r) {
     scalar_t* dst = it.out + it.row_offset(r);
     const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[r * D + d] * inv);
+    if (it.lse != nullptr) it.lse[it.lse_index(r)] = row_sum[r] > 0.0f ? row_max[r] + std::log(row_sum[r]) : kNoScore;
   }
 }
 
@@ -277,9 +295,10 @@ void many_rows_generic(const Item<scalar_t, cache_t>& it, std::vector<float>& sc
       const float correction = std::exp(row_max[r] - new_max);
       row_sum[r] = row_sum[r] * correction + std::exp(it.sink(r) - new_max);
       for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= correction;
+      row_max[r] = new_max;
     }
   }
-  store_rows(it, acc, row_sum);
+  store_rows(it, acc, row_sum, row_max);
 }
 
 template <typename scalar_t, typename cache_t>
@@ -447,12 +466,13 @@ void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scr
   const int64_t rows = it.rows(), n = it.num_keys(), per_head = it.rows_per_head(), heads = it.num_item_heads;
   const int64_t n_pad = (n + kTile - 1) / kTile * kTile;
   const int64_t tile_size = kWiden ? heads * kTile * D : 0;
-  scratch.resize(static_cast<size_t>(rows * D * 2 + rows * n_pad + rows + tile_size + 16));
+  scratch.resize(static_cast<size_t>(rows * D * 2 + rows * n_pad + 2 * rows + tile_size + 16));
   float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* tile = kWiden ? qf + rows * D : nullptr;  // [heads, kTile, D], 64-byte aligned
   float* acc = qf + rows * D + tile_size;          // [rows, D]
   float* scores = acc + rows * D;                  // [rows, n_pad]
   float* row_sum = scores + rows * n_pad;          // [rows]
+  float* row_maxes = row_sum + rows;               // [rows]
   load_rows(it, qf, acc);
   // What row_scores and the value sums read: float i (of 16) of key t of KV head h.
   const auto widened = [&](const cache_t* const* keys, int64_t h, int t, int i) {
@@ -486,6 +506,7 @@ void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scr
     }
     row_sum[r] = _mm512_reduce_add_ps(sum);
     if (it.has_sink()) row_sum[r] += std::exp(it.sink(r) - max_score);  // after the keys: one order
+    row_maxes[r] = max_score;
   }
   for_each_tile<D>(it, it.v_cache, n, tile, [&](int64_t j0, const cache_t* const* keys) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -502,7 +523,7 @@ void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scr
       for (int i = 0; i < NV; ++i) _mm512_storeu_ps(ar + 16 * i, a[i]);
     }
   });
-  store_rows(it, acc, row_sum);
+  store_rows(it, acc, row_sum, row_maxes);
 }
 
 template <int D, typename scalar_t, typename cache_t>
@@ -547,7 +568,8 @@ template <typename scalar_t, typename cache_t>
 void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_table,
                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                   bool causal = true, int64_t window = 0, const float* sinks = nullptr) {
+                   bool causal = true, int64_t window = 0, const float* sinks = nullptr,
+                   int64_t dcp_world = 1, int64_t dcp_rank = 0, float* lse = nullptr) {
   // Not causal (encoder_attention): block_table is one int64 row 0 .. T - 1 over one-token
   // blocks, and request r's row starts at its first token.
   const int64_t num_reqs = seq_lens.size(0);
@@ -573,7 +595,7 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
                      v_cache.data_ptr<cache_t>(), causal ? table + r * block_table.stride(0) : table + qsl[r],
                      num_heads, group, head_dim, block_size, token_stride, block_size * token_stride, h, num_h,
                      qsl[r], lens[r] - n, q0, q1, static_cast<float>(scale), causal ? 0 : int64_t{lens[r]},
-                     causal ? window : 0, sinks});
+                     causal ? window : 0, sinks, dcp_world, dcp_rank, lse});
   };
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = qsl[r + 1] - qsl[r];
@@ -590,8 +612,9 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
-      // The few-rows kernels have no window or sinks: such a layer's items take the many-rows path.
-      const bool few = !invariant && items[i].rows_per_head() <= kFewRows && window <= 0 && sinks == nullptr;
+      // The few-rows kernels have no window, sinks or log-sum-exp: such items take the many-rows path.
+      const bool few = !invariant && items[i].rows_per_head() <= kFewRows && window <= 0 && sinks == nullptr &&
+                       lse == nullptr;
       (few ? few_rows : many_rows)(items[i], scratch);
     }
   });
@@ -599,7 +622,10 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cac
 
 void check_metadata(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                    const at::Tensor& seq_lens, int64_t num_actual_tokens) {
+                    const at::Tensor& seq_lens, int64_t num_actual_tokens, int64_t dcp_world = 1,
+                    int64_t dcp_rank = 0) {
+  TORCH_CHECK(dcp_world >= 1 && 0 <= dcp_rank && dcp_rank < dcp_world, "dcp_rank ", dcp_rank,
+              " is not a rank of a context-parallel group of ", dcp_world);
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [tokens, heads, head_dim] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "caches must be contiguous [blocks, block_size, kv_heads, head_dim] tensors");
@@ -627,8 +653,10 @@ void check_metadata(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = qsl[r + 1] - qsl[r];
     TORCH_CHECK(n >= 0 && lens[r] >= n, "request ", r, " has ", n, " queries but ", lens[r], " keys");
-    TORCH_CHECK((lens[r] + block_size - 1) / block_size <= block_table.size(1), "request ", r, " reads ",
-                lens[r], " keys; its block_table row has ", block_table.size(1), " blocks");
+    // This rank's keys of the request: positions dcp_rank, dcp_rank + dcp_world, ... below lens[r].
+    const int64_t keys = lens[r] > dcp_rank ? (lens[r] - 1 - dcp_rank) / dcp_world + 1 : 0;
+    TORCH_CHECK((keys + block_size - 1) / block_size <= block_table.size(1), "request ", r, " reads ", keys,
+                " keys; its block_table row has ", block_table.size(1), " blocks");
   }
 }
 
@@ -715,6 +743,34 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
   return attend(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, scale, window,
                 sinks_of(sinks.value_or(at::Tensor()), q.size(1)));
+}
+
+// Attention over this rank's share of each sequence (decode context parallelism): key j of the
+// cache is position j * dcp_world + dcp_rank, queries sit at their positions as in
+// paged_attention (seq_lens counts every position). Returns the rows' outputs and their
+// log-sum-exps [tokens, heads] float32 (kNoScore for a row that reads no key here, and for
+// padding), from which the ranks' partial results merge exactly.
+std::tuple<at::Tensor, at::Tensor> paged_attention_partial(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t num_actual_tokens, double scale,
+    int64_t dcp_world, int64_t dcp_rank) {
+  check_metadata(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, num_actual_tokens, dcp_world,
+                 dcp_rank);
+  at::Tensor out = at::zeros_like(q);
+  at::Tensor lse = at::full({q.size(0), q.size(1)}, kNoScore, q.options().dtype(at::kFloat));
+  const auto qt = q.scalar_type();
+  const auto ct = k_cache.scalar_type();
+#define AXON_PARTIAL_CASE(QT, QC)                                                                            \
+  if (qt == QT && ct == QT) {                                                                                 \
+    run_attention<QC, QC>(q, out, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, true, 0, \
+                          nullptr, dcp_world, dcp_rank, lse.data_ptr<float>());                               \
+    return {out, lse};                                                                                        \
+  }
+  AXON_PARTIAL_CASE(at::kFloat, float)
+  AXON_PARTIAL_CASE(at::kBFloat16, c10::BFloat16)
+  AXON_PARTIAL_CASE(at::kHalf, c10::Half)
+#undef AXON_PARTIAL_CASE
+  TORCH_CHECK(false, "paged_attention_partial: unsupported dtypes q ", qt, ", cache ", ct);
 }
 
 // The largest finite value of a cache type: an FP8 cache saturates there (a plain conversion
@@ -874,6 +930,10 @@ TORCH_LIBRARY(axon_cpu, m) {
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, float scale, int window=0, "
       "Tensor? sinks=None) -> Tensor");
+  m.def(
+      "paged_attention_partial(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, float scale, int dcp_world, "
+      "int dcp_rank) -> (Tensor, Tensor)");
   m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor query_start_loc, float scale) -> Tensor");
   m.def("set_generic(bool generic) -> ()");
   m.def("set_batch_invariant(bool invariant) -> ()");
@@ -887,6 +947,7 @@ TORCH_LIBRARY(axon_cpu, m) {
 
 TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_partial", &paged_attention_partial);
   m.impl("encoder_attention", &encoder_attention);
   m.impl("set_attention_step", &set_attention_step);
   m.impl("attention", &attention);

@@ -34,6 +34,19 @@ class TensorParallelGroup:
     rank: int = 0
     size: int = 1
     shm_handle: int | None = None  # the shared-memory communicator of axon's CPU kernels
+    # Decode context parallelism: consecutive runs of dcp_size ranks (which hold the same KV
+    # heads) each shard a sequence's K/V by position (decode_context_parallel_size).
+    dcp_size: int = 1
+
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's place in its decode-context-parallel group."""
+        return self.rank % self.dcp_size
+
+    @property
+    def dcp_first(self) -> int:
+        """The tensor-parallel rank of its group's first member."""
+        return self.rank - self.dcp_rank
 
 
 @dataclass(frozen=True)
@@ -71,10 +84,11 @@ def expert_parallel() -> bool:
 
 
 def init_tensor_parallel(
-    init: DistributedInit, device: torch.device, cpu_kernels: bool
+    init: DistributedInit, device: torch.device, cpu_kernels: bool, dcp_size: int = 1
 ) -> TensorParallelGroup:
     """Join the group described by ``init``; on the CPU with axon's kernels, map the shared
-    segment too."""
+    segment too. ``dcp_size``: decode_context_parallel_size (it divides the group's size)."""
+    assert init.size % dcp_size == 0, f"decode_context_parallel_size {dcp_size} does not divide {init.size}"
     global _group
     backend = "nccl" if device.type == "cuda" else "gloo"
     if init.size > 1:
@@ -91,9 +105,10 @@ def init_tensor_parallel(
     shm = os.environ.get("AXON_CPU_SHM_COLLECTIVES", "1") != "0"
     if shm and init.size > 1 and device.type == "cpu" and cpu_kernels and init.shm_path is not None:
         handle = torch.ops.axon_cpu.shm_comm_open(init.shm_path, init.rank, init.size, init.shm_slot_bytes)
-    _group = TensorParallelGroup(init.rank, init.size, handle)
+    _group = TensorParallelGroup(init.rank, init.size, handle, dcp_size)
     how = "shared memory" if handle is not None else backend
-    logger.info("tensor-parallel rank %d of %d (collectives: %s)", init.rank, init.size, how)
+    dcp = f", decode-context-parallel rank {_group.dcp_rank} of {dcp_size}" if dcp_size > 1 else ""
+    logger.info("tensor-parallel rank %d of %d%s (collectives: %s)", init.rank, init.size, dcp, how)
     return _group
 
 

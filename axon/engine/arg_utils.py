@@ -167,11 +167,33 @@ def _check_tensor_parallel(config: AxonConfig, model_class: type, hf: dict[str, 
             f"speculative_config.method {spec.method!r} is not supported with tensor_parallel_size {tp} "
             "yet (its draft runs unsharded); use 'ngram', or tensor_parallel_size 1"
         )
+    _check_decode_context_parallel(config, arch.num_kv_heads)
     if config.model_config.quantization == "gguf":
         raise ValueError(
             f"quantization 'gguf' keeps the file's blocks whole and cannot split them across {tp} ranks; "
             "leave quantization unset (the GGUF weights load dequantized, each rank its slice) or use "
             "tensor_parallel_size 1"
+        )
+
+
+def _check_decode_context_parallel(config: AxonConfig, num_kv_heads: int) -> None:
+    """decode_context_parallel_size N shards the KV of each KV head across N ranks that all hold
+    it: each KV head must be replicated on a multiple of N ranks."""
+    p = config.parallel_config
+    dcp, tp = p.decode_context_parallel_size, p.tensor_parallel_size
+    if dcp == 1:
+        return
+    replicas = tp // num_kv_heads if num_kv_heads < tp else 1
+    if replicas % dcp:
+        raise ValueError(
+            f"decode_context_parallel_size {dcp} needs each KV head on a multiple of {dcp} ranks, but "
+            f"tensor_parallel_size {tp} puts each of the model's {num_kv_heads} KV heads on {replicas}: use a "
+            f"tensor_parallel_size that is a multiple of {num_kv_heads * dcp}"
+        )
+    if config.cache_config.kv_cache_dtype != "auto":
+        raise ValueError(
+            f"decode_context_parallel_size {dcp} does not support kv_cache_dtype "
+            f"{config.cache_config.kv_cache_dtype!r} yet; use 'auto'"
         )
 
 

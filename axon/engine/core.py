@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-from axon.config import AxonConfig
+from axon.config import AxonConfig, replace
 from axon.core.kv_cache_utils import cdiv, make_block_hasher
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
@@ -50,12 +50,13 @@ class EngineCore:
         assert max_model_len is not None, "resolve_config() sets max_model_len"
         self.executor: Executor = Executor.get_class(config)(config)
         num_blocks = self.executor.determine_num_blocks()
-        _check_kv_fits(num_blocks, config.cache_config.block_size, max_model_len)
+        block_size = config.scheduler_block_size
+        _check_kv_fits(num_blocks, block_size, max_model_len)
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(
             config.scheduler_config,
-            config.cache_config,
+            replace(config.cache_config, block_size=block_size),
             max_model_len,
             num_blocks,
             structured_output_manager=StructuredOutputManager.from_config(
@@ -67,7 +68,7 @@ class EngineCore:
             spec_config=parse_spec_decode_config(config.speculative_config.speculative_config),
             **_kv_connector_args(config),
         )
-        self.block_hasher = make_block_hasher(config.cache_config.block_size)
+        self.block_hasher = make_block_hasher(block_size)
         self.async_scheduling = self.executor.max_concurrent_batches > 1
         self._in_flight: InFlightStep | None = None
         # Worker facts not yet reported: compile events, then (first report only) start-up times.

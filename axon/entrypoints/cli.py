@@ -71,6 +71,20 @@ def _flag_help(f: dataclasses.Field[Any]) -> str:
     return f"{option_docs()[f.name]} (default: {shown})".replace("%", "%%")
 
 
+# vLLM's short forms of the parallelism flags.
+_SHORT_FLAGS = {
+    "tensor_parallel_size": "-tp",
+    "pipeline_parallel_size": "-pp",
+    "data_parallel_size": "-dp",
+    "data_parallel_size_local": "-dpl",
+    "data_parallel_start_rank": "-dpr",
+    "data_parallel_address": "-dpa",
+    "data_parallel_rpc_port": "-dpp",
+    "decode_context_parallel_size": "-dcp",
+    "enable_expert_parallel": "-ep",
+}
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
     """One flag per config option, except ``model`` and the names in ``skip`` (which the
     caller defines itself, as ``serve`` does for ``--served-model-name``)."""
@@ -78,12 +92,14 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
     for sub, f in option_fields():
         if f.name == "model" or f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *([_SHORT_FLAGS[f.name]] if f.name in _SHORT_FLAGS else [])]
         kind = _flag_type(sub, f)
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_flag_help(f))
+            group.add_argument(
+                *flags, action=argparse.BooleanOptionalAction, default=None, help=_flag_help(f)
+            )
         else:
-            group.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=_flag_help(f))
+            group.add_argument(*flags, type=kind, default=None, metavar=f.name.upper(), help=_flag_help(f))
     group.add_argument(
         "--additional-config",
         type=str,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from axon.distributed.parallel_state import get_tp_group
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import CommonAttentionMetadata, Segment, describe_step
 from axon.model.pooler import finish_embedding, pool
@@ -63,6 +64,8 @@ class ModelRunner:
         self.pooling_type = pooling_type  # the model's pooler (runner="pooling" only)
         self.attention_layers = model.attention_layers()
         self.block_size = block_size
+        group = get_tp_group()  # decode context parallelism: this rank's share of each sequence
+        self.dcp = (group.dcp_size, group.dcp_rank)
         self.vocab_size = vocab_size
         self.device = device
         self.buckets = buckets  # steps are padded to them only to run in a compiled graph
@@ -184,7 +187,9 @@ class ModelRunner:
                 positions += [0] * (padded - num_tokens)
                 block_cols = self.buckets.pad_context_blocks(max(len(s.block_ids) for s in segments))
         dev = self.device
-        metadata = describe_step(segments, self.block_size, dev, num_tokens=padded, num_block_cols=block_cols)
+        metadata = describe_step(
+            segments, self.block_size, dev, num_tokens=padded, num_block_cols=block_cols, dcp=self.dcp
+        )
         return StepInputs(
             req_ids=req_ids,
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),

@@ -78,7 +78,7 @@ def decide_num_blocks(
         budget = int(cache.kv_cache_space_gib * _GIB)
         why = f"kv_cache_space_gib {cache.kv_cache_space_gib:g} GiB"
     else:
-        blocks_per_seq = -(-max_model_len // cache.block_size)
+        blocks_per_seq = -(-max_model_len // config.scheduler_block_size)
         need = (sched.max_num_seqs * blocks_per_seq + 1) * bytes_per_block
         budget, limit = min(
             (need, "what they need"),
@@ -133,7 +133,7 @@ class Worker:
             world=num_local_cores * local_size,
         )
         if dist_init is not None:
-            init_tensor_parallel(dist_init, self.device, cpu_kernels)
+            init_tensor_parallel(dist_init, self.device, cpu_kernels, p.decode_context_parallel_size)
         set_expert_parallel(config.parallel_config.enable_expert_parallel)
         self.attention_backend = _attention_backend_name(
             config.compilation_config.attention_backend, self.device, cpu_kernels
@@ -185,11 +185,13 @@ class Worker:
     def _make_compiler(self) -> BucketCompiler:
         m, c = self.config.model_config, self.config.cache_config
         tp = self.config.parallel_config.tensor_parallel_size
+        dcp = self.config.parallel_config.decode_context_parallel_size
         key = compile_cache_key(
             {
                 # A rank's graphs: its shapes and its collectives (absent with one rank, so
                 # caches from before tensor parallelism stay valid).
                 **({"tensor_parallel": (self.rank, tp)} if tp > 1 else {}),
+                **({"decode_context_parallel": dcp} if dcp > 1 else {}),
                 # The model by its config, not its folder: a host whose folder lies elsewhere
                 # (another cache root, another mount) shares the graphs (compile_cache_store).
                 "hf_config": m.hf_config,
@@ -264,7 +266,7 @@ class Worker:
         if self.encoder_only:
             c = self.config
             assert c.model_config.max_model_len is not None
-            blocks_per_seq = -(-c.model_config.max_model_len // c.cache_config.block_size)
+            blocks_per_seq = -(-c.model_config.max_model_len // c.scheduler_block_size)
             logger.info("KV cache: none (encoder-only attention)")
             return c.scheduler_config.max_num_seqs * blocks_per_seq + 1
         total = total_memory_bytes(self.device)
@@ -282,7 +284,11 @@ class Worker:
         block_size = self.config.cache_config.block_size
         self.kv_caches = []
         gib = num_blocks * self.bytes_per_block() / _GIB
-        size = f"{num_blocks} blocks of {self.config.cache_config.block_size} tokens ({gib:.2f} GiB, {self.kv_dtype})"
+        size = f"{num_blocks} blocks of {block_size} tokens ({gib:.2f} GiB, {self.kv_dtype})"
+        if (dcp := self.config.parallel_config.decode_context_parallel_size) > 1:
+            size += (
+                f", each block id {block_size * dcp} positions across {dcp} ranks (decode context parallel)"
+            )
         if self.device.type == "cpu":
             # The process's RSS grows by up to this much as blocks are first used (README,
             # "Memory of the engine process").

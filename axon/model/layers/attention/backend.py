@@ -8,6 +8,12 @@ Layout of one step's flattened batch (requests concatenated, no padding between 
     slot_mapping[t] = block_id * block_size + offset where token t's K/V is written; -1 = padding,
                       written nowhere.
 
+Decode context parallelism (``dcp_world`` D > 1) shards each sequence's K/V across the D ranks of
+a group by position: position p lives on rank p mod D, as that rank's key j = p // D, in the
+block the scheduler gave for p (its blocks count block_size x D positions; each rank holds
+block_size of them). A rank writes only its own positions (-1 for the others) and attends over
+its own keys; the ranks' partial results merge by their log-sum-exps (context_parallel.py).
+
 Any number of query tokens per request is one shape: a decode has 1, a prefill segment many, a
 speculative verification step k + 1; each request's queries are the last ones of its sequence
 (bottom-right causal over its cached prefix). Requests of every kind share one step.
@@ -71,6 +77,8 @@ class CommonAttentionMetadata:
     seq_lens: list[int]  # [num_reqs], host side
     block_table: torch.Tensor  # [num_reqs, max_num_blocks] int64, 0 (null block) past the end
     block_size: int
+    dcp_world: int = 1  # decode context parallelism: this rank holds positions dcp_rank mod dcp_world
+    dcp_rank: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -101,17 +109,23 @@ def describe_step(
     device: torch.device | str = "cpu",
     num_tokens: int | None = None,
     num_block_cols: int | None = None,
+    dcp: tuple[int, int] = (1, 0),
 ) -> CommonAttentionMetadata:
     """The step's description: the one place one is built. ``num_tokens`` pads the rows (padding
-    writes nothing), ``num_block_cols`` the block table (with the null block)."""
+    writes nothing), ``num_block_cols`` the block table (with the null block); ``dcp``: (world,
+    rank) of this rank's decode-context-parallel group."""
+    world, rank = dcp
     slots: list[int] = []
     query_start_loc, seq_lens = [0], []
     for seg in segments:
-        assert 0 <= seg.start < seg.end <= len(seg.block_ids) * block_size, (
-            f"positions {seg.start}..{seg.end} do not fit {len(seg.block_ids)} blocks of {block_size}"
+        assert 0 <= seg.start < seg.end <= len(seg.block_ids) * block_size * world, (
+            f"positions {seg.start}..{seg.end} do not fit {len(seg.block_ids)} blocks of {block_size * world}"
         )
         ids = seg.block_ids
-        slots += [ids[p // block_size] * block_size + p % block_size for p in range(seg.start, seg.end)]
+        slots += [
+            ids[p // world // block_size] * block_size + p // world % block_size if p % world == rank else -1
+            for p in range(seg.start, seg.end)
+        ]
         query_start_loc.append(query_start_loc[-1] + seg.end - seg.start)
         seq_lens.append(seg.end)
     num_actual = len(slots)
@@ -130,6 +144,8 @@ def describe_step(
         seq_lens=seq_lens,
         block_table=table.to(device),
         block_size=block_size,
+        dcp_world=world,
+        dcp_rank=rank,
     )
 
 
@@ -146,13 +162,27 @@ class AttentionBackend:
     # needs one the backend lacks is refused when the model is built (``check_spec``).
     supports_sliding_window: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False
+    # ``forward_partial`` is implemented (decode context parallelism).
+    supports_context_parallel: ClassVar[bool] = False
     # A torch op (q, k, v, layer_idx, scale) -> out that writes K/V and attends a decoder layer in
     # one call, reading the step handed over by ``begin_step``: no Python per layer, inside
     # compiled graphs too. None: layers go through ``forward``.
     fused_layer_op: ClassVar[Callable[..., torch.Tensor] | None] = None
 
-    def check_spec(self, spec: AttentionSpec) -> None:
-        """Refuse, naming the feature, a layer this backend cannot attend."""
+    def check_spec(self, spec: AttentionSpec, context_parallel: bool = False) -> None:
+        """Refuse, naming the feature, a layer this backend cannot attend (``context_parallel``:
+        with its KV sharded across a decode-context-parallel group)."""
+        if context_parallel and spec.attn_type is AttentionType.DECODER:
+            if not self.supports_context_parallel:
+                raise ValueError(
+                    f"attention backend {self.name!r} does not implement decode context parallelism; "
+                    "use 'cpu_flash' or 'reference'"
+                )
+            if spec.sliding_window is not None or spec.sinks is not None:
+                raise ValueError(
+                    "decode context parallelism does not support sliding-window attention or attention "
+                    "sinks (a window or a sink would be counted on every rank of the group)"
+                )
         if spec.sliding_window is not None and not self.supports_sliding_window:
             raise ValueError(
                 f"attention backend {self.name!r} does not implement sliding-window attention "
@@ -183,6 +213,20 @@ class AttentionBackend:
         spec: AttentionSpec,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zeros
         """Attend every query to its request's cached keys (this step's already written)."""
+        raise NotImplementedError
+
+    def forward_partial(
+        self,
+        q: torch.Tensor,  # [num_tokens, heads, head_dim]: any number of heads sharing the cache's
+        k_cache: torch.Tensor,  # KV heads (a decode-context-parallel group's query heads)
+        v_cache: torch.Tensor,
+        metadata: Any,
+        spec: AttentionSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over this rank's keys only (positions dcp_rank mod dcp_world, see the top of
+        this file): ([num_tokens, heads, head_dim] out, [num_tokens, heads] float32 log-sum-exp of
+        each row's scaled scores). A row that reads no key here (and padding) has out 0 and
+        log-sum-exp -1e30, never an infinity."""
         raise NotImplementedError
 
     def forward_encoder(

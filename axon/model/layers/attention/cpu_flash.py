@@ -50,6 +50,7 @@ class CpuFlashAttentionBackend(AttentionBackend):
     fused_layer_op = staticmethod(_fused_layer_op)
     supports_sliding_window = True
     supports_sinks = True
+    supports_context_parallel = True
 
     def __init__(self, cache_root: str | None = None) -> None:
         if not load_cpu_kernels(cache_root or default_cache_root()):
@@ -68,6 +69,8 @@ class CpuFlashAttentionBackend(AttentionBackend):
         """Hand the step's metadata and every decoder layer's cache to the kernels."""
         if not any(layer.is_decoder for layer in layers):
             return  # an encoder: its layers go through forward_encoder
+        if any(layer.context_parallel for layer in layers):
+            return  # decode context parallelism: its layers go through forward_partial
         assert [layer.layer_idx for layer in layers if layer.is_decoder] == list(range(len(layers))), (
             "the kernels address the caches of a model's decoder layers by layer index"
         )
@@ -119,16 +122,36 @@ class CpuFlashAttentionBackend(AttentionBackend):
         metadata: CpuFlashMetadata,
         spec: AttentionSpec,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zeros
-        common = metadata.common
         return torch.ops.axon_cpu.paged_attention(
-            q.contiguous(),
-            k_cache,
-            v_cache,
-            common.block_table,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            common.num_actual_tokens,
+            *_paged_args(q, k_cache, v_cache, metadata),
             spec.scale,
             spec.sliding_window or 0,
             _sinks_f32(spec),
         )
+
+    def forward_partial(
+        self,
+        q: torch.Tensor,  # [num_tokens, heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: CpuFlashMetadata,
+        spec: AttentionSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        common = metadata.common
+        return torch.ops.axon_cpu.paged_attention_partial(
+            *_paged_args(q, k_cache, v_cache, metadata), spec.scale, common.dcp_world, common.dcp_rank
+        )
+
+
+def _paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: CpuFlashMetadata):
+    """What every paged kernel takes first: the step's queries, the caches and the step."""
+    common = metadata.common
+    return (
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        common.block_table,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        common.num_actual_tokens,
+    )

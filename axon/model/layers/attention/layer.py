@@ -19,8 +19,10 @@ import dataclasses
 import torch
 from torch import nn
 
+from axon.distributed.parallel_state import get_tp_group
 from axon.forward_context import get_forward_context
 from axon.model.layers.attention.backend import AttentionBackend, AttentionSpec, AttentionType, write_kv
+from axon.model.layers.attention.context_parallel import attend_context_parallel
 
 
 class Attention(nn.Module):
@@ -52,7 +54,10 @@ class Attention(nn.Module):
         self.spec = AttentionSpec(
             num_heads, num_kv_heads, head_dim, head_dim**-0.5, attn_type, sliding_window, self.sinks
         )
-        backend.check_spec(self.spec)
+        # Decode context parallelism: this decoder's KV is sharded across its rank's group
+        # (context_parallel.py), so it attends through ``forward_partial``, never the fused op.
+        self.context_parallel = get_tp_group().dcp_size > 1 and attn_type is AttentionType.DECODER
+        backend.check_spec(self.spec, self.context_parallel)
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # An FP8 cache's float32 [layers, 2] (k_scale, v_scale) of this layer's model, shared
@@ -80,7 +85,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, H, D]; k, v [T, KVH, D] -> [T, H, D]
         fused = self.backend.fused_layer_op
-        if fused is not None and self.is_decoder:
+        if fused is not None and self.is_decoder and not self.context_parallel:
             return fused(q, k, v, self.layer_idx, self.spec.scale)
         if torch.compiler.is_compiling():
             return torch.ops.axon.attention(q, k, v, self.layer_idx)
@@ -97,6 +102,12 @@ class Attention(nn.Module):
         assert self.kv_cache is not None, "KV cache not bound to this attention layer"
         k_cache, v_cache = self.kv_cache
         write_kv(k, v, k_cache, v_cache, common.slot_mapping)
+        if self.context_parallel:
+            return attend_context_parallel(
+                q,
+                lambda group_q: self.backend.forward_partial(group_q, k_cache, v_cache, metadata, self.spec),
+                get_tp_group(),
+            )
         return self.backend.forward(q, k_cache, v_cache, metadata, self.spec)
 
 

@@ -21,6 +21,7 @@ class ReferenceAttentionBackend(AttentionBackend):
     name = "reference"
     supports_sliding_window = True
     supports_sinks = True
+    supports_context_parallel = True
 
     def forward(
         self,
@@ -49,6 +50,45 @@ class ReferenceAttentionBackend(AttentionBackend):
                     0
                 ].to(q.dtype)
         return out
+
+    def forward_partial(
+        self,
+        q: torch.Tensor,  # [num_tokens, heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: CommonAttentionMetadata,
+        spec: AttentionSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request on its own, over this rank's keys: key j is position j * world + rank."""
+        world, rank = metadata.dcp_world, metadata.dcp_rank
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], NO_SCORE, dtype=torch.float32, device=q.device)
+        qsl = metadata.query_start_loc
+        for i, seq_len in enumerate(metadata.seq_lens):
+            rows = slice(qsl[i], qsl[i + 1])
+            num_keys = max(0, -(-(seq_len - rank) // world))  # positions rank, rank + world, ... < seq_len
+            if num_keys == 0:
+                continue
+            k, v = _gather_kv(
+                k_cache, v_cache, metadata.block_table[i : i + 1], num_keys, metadata.block_size
+            )
+            group = q.shape[1] // k.shape[2]
+            kf = k[0].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+            vf = v[0].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            qf = q[rows].float().transpose(0, 1)  # [H, n, D]
+            key_pos = torch.arange(num_keys, device=q.device) * world + rank
+            q_pos = torch.arange(seq_len - (qsl[i + 1] - qsl[i]), seq_len, device=q.device)
+            scores = (qf @ kf.transpose(-1, -2)) * spec.scale  # [H, n, S]
+            scores = scores.masked_fill(~(key_pos[None, :] <= q_pos[:, None]), float("-inf"))
+            row_lse = torch.logsumexp(scores, dim=-1)  # [H, n]; -inf for a row without keys
+            probs = torch.exp(scores - row_lse.clamp(min=NO_SCORE)[..., None])
+            out[rows] = (probs @ vf).transpose(0, 1).to(q.dtype)
+            lse[rows] = row_lse.clamp(min=NO_SCORE).transpose(0, 1)
+        return out, lse
+
+
+# The log-sum-exp of a row without keys (forward_partial): finite, as the C++ kernels' is.
+NO_SCORE = -1e30
 
 
 def _attend_decodes(

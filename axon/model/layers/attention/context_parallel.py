@@ -1,0 +1,48 @@
+"""Decode context parallelism: a sequence's K/V sharded across the ranks of a group, by position.
+
+The D ranks of a group (consecutive tensor-parallel ranks that hold the same KV heads, each with
+its own query heads) each keep positions p with p mod D == its place in the group, so a long
+sequence takes 1/D of each rank's cache (backend.py's layout). One layer's attention:
+
+    q of the group's D ranks (all-gather)      [tokens, D x heads, head_dim]
+    each rank: those queries over its own keys  -> partial outputs and log-sum-exps
+    every rank's partials (all-gather)          -> for its own heads, the D partials merged:
+                                                   out = sum_r exp(lse_r - max) out_r / sum_r exp(lse_r - max)
+
+The merge is exact (the softmax over all keys, regrouped), taken in rank order on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from axon.distributed.parallel_state import TensorParallelGroup, tp_all_gather
+
+
+def attend_context_parallel(
+    q: torch.Tensor,  # [tokens, heads, head_dim]: this rank's query heads
+    attend_partial: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    group: TensorParallelGroup,
+) -> torch.Tensor:  # [tokens, heads, head_dim]
+    """This rank's heads attended over the whole group's keys. ``attend_partial`` attends
+    [tokens, D x heads, head_dim] queries over this rank's keys: (out, float32 log-sum-exp)."""
+    size, first, place = group.dcp_size, group.dcp_first, group.dcp_rank
+    tokens, heads, head_dim = q.shape
+    members = slice(first, first + size)
+    group_q = tp_all_gather(q.contiguous())[members]  # [D, tokens, heads, head_dim]
+    out, lse = attend_partial(group_q.transpose(0, 1).reshape(tokens, size * heads, head_dim))
+    mine = slice(place * heads, (place + 1) * heads)  # this rank's heads among the group's
+    outs = tp_all_gather(out)[members, :, mine]  # [D, tokens, heads, head_dim]
+    lses = tp_all_gather(lse)[members, :, mine]  # [D, tokens, heads]
+    return merge_partials(outs, lses).to(q.dtype)
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Partial attentions over disjoint key sets ([parts, ..., head_dim] and their [parts, ...]
+    log-sum-exps) -> attention over their union, float32. Parts without keys weigh 0 (their
+    log-sum-exp is -1e30); rows with no key anywhere come out 0."""
+    weights = torch.exp(lses - lses.amax(dim=0, keepdim=True))  # [parts, ...]
+    total = (weights.unsqueeze(-1) * outs.float()).sum(dim=0)
+    return total / weights.sum(dim=0).unsqueeze(-1)
