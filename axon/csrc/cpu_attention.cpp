@@ -62,6 +62,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace axon_cpu {
@@ -840,6 +841,60 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   TORCH_CHECK(false, "write_kv: unsupported dtypes k ", st, ", cache ", ct);
 }
 
+void write_kv_op(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                 const at::Tensor& slot_mapping) {
+  write_kv(k, v, std::move(k_cache), std::move(v_cache), slot_mapping);
+}
+
+// Partial attentions over disjoint key sets merged into the attention over their union:
+// out[t, h] = sum_p exp(lse[p, t, h] - m) outs[p, t, h] / sum_p exp(lse[p, t, h] - m), m the
+// largest, parts in order, float32. outs [P, T, H, D] and lses [P, T, H] may be strided views
+// (a rank's heads of every rank's gathered partials); a row without keys anywhere comes out 0.
+template <typename scalar_t>
+void merge_rows(const at::Tensor& outs, const at::Tensor& lses, at::Tensor& out) {
+  const int64_t P = outs.size(0), T = outs.size(1), H = outs.size(2), D = outs.size(3);
+  const scalar_t* o = outs.data_ptr<scalar_t>();
+  const float* l = lses.data_ptr<float>();
+  scalar_t* dst = out.data_ptr<scalar_t>();
+  const auto os = outs.strides();
+  const auto ls = lses.strides();
+  at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D), w(P);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / H, h = i % H;
+      float m = kNoScore;
+      for (int64_t p = 0; p < P; ++p) m = std::max(m, l[p * ls[0] + t * ls[1] + h * ls[2]]);
+      float total = 0.0f;
+      for (int64_t p = 0; p < P; ++p) total += (w[p] = std::exp(l[p * ls[0] + t * ls[1] + h * ls[2]] - m));
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = 0; p < P; ++p) {
+        const scalar_t* row = o + p * os[0] + t * os[1] + h * os[2];
+        for (int64_t d = 0; d < D; ++d) acc[d] += w[p] * static_cast<float>(row[d]);
+      }
+      for (int64_t d = 0; d < D; ++d) dst[(t * H + h) * D + d] = static_cast<scalar_t>(acc[d] / total);
+    }
+  });
+}
+
+at::Tensor merge_attention_partials(const at::Tensor& outs, const at::Tensor& lses) {
+  TORCH_CHECK(outs.dim() == 4 && lses.dim() == 3 && outs.sizes().slice(0, 3) == lses.sizes(),
+              "merge_attention_partials takes outs [parts, tokens, heads, head_dim] and lses [parts, tokens, heads]");
+  TORCH_CHECK(outs.stride(3) == 1, "each partial output row must be contiguous");
+  TORCH_CHECK(lses.scalar_type() == at::kFloat, "lses must be float32");
+  at::Tensor out = at::empty({outs.size(1), outs.size(2), outs.size(3)}, outs.options());
+  const auto st = outs.scalar_type();
+  if (st == at::kFloat) {
+    merge_rows<float>(outs, lses, out);
+  } else if (st == at::kBFloat16) {
+    merge_rows<c10::BFloat16>(outs, lses, out);
+  } else if (st == at::kHalf) {
+    merge_rows<c10::Half>(outs, lses, out);
+  } else {
+    TORCH_CHECK(false, "merge_attention_partials: unsupported dtype ", st);
+  }
+  return out;
+}
+
 void set_generic(bool generic) { g_force_generic.store(generic); }
 void set_batch_invariant(bool invariant) { g_batch_invariant.store(invariant); }
 
@@ -934,6 +989,8 @@ TORCH_LIBRARY(axon_cpu, m) {
       "paged_attention_partial(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, float scale, int dcp_world, "
       "int dcp_rank) -> (Tensor, Tensor)");
+  m.def("merge_attention_partials(Tensor outs, Tensor lses) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor query_start_loc, float scale) -> Tensor");
   m.def("set_generic(bool generic) -> ()");
   m.def("set_batch_invariant(bool invariant) -> ()");
@@ -948,6 +1005,8 @@ TORCH_LIBRARY(axon_cpu, m) {
 TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_partial", &paged_attention_partial);
+  m.impl("merge_attention_partials", &merge_attention_partials);
+  m.impl("write_kv", &write_kv_op);
   m.impl("encoder_attention", &encoder_attention);
   m.impl("set_attention_step", &set_attention_step);
   m.impl("attention", &attention);

@@ -101,7 +101,7 @@ def test_merged_shards_equal_whole_sequence_attention(
 ) -> None:
     merged, want = _attend_shards(backend, world, block_size, dtype, gqa)
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(merged, want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(merged.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_slot_mapping_writes_each_position_on_exactly_one_rank() -> None:
@@ -151,3 +151,25 @@ def test_cpu_flash_partials_equal_the_references(kernel_cache_root: str) -> None
         want = ref.forward_partial(q, k_cache, v_cache, step, spec)
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_merge_op_equals_the_softmax_weighted_sum(kernel_cache_root: str, dtype: torch.dtype) -> None:
+    """The C++ merge on strided views (one rank's heads of every rank's gathered partials), parts
+    without keys included, against the torch formula in float64."""
+    if not load_cpu_kernels(kernel_cache_root):
+        pytest.skip("no C++ compiler: the merge op cannot be built here")
+    gen = torch.Generator().manual_seed(3)
+    outs = torch.randn(3, 5, 8, 32, generator=gen).to(dtype)
+    lses = torch.randn(3, 5, 8, generator=gen) * 4
+    lses[1, 2] = NO_SCORE  # token 2 has no key on part 1
+    lses[:, 4] = NO_SCORE  # token 4 has none anywhere
+    outs[:, 4] = 0
+    view_o, view_l = outs[:, :, 2:6], lses[:, :, 2:6]
+    got = torch.ops.axon_cpu.merge_attention_partials(view_o, view_l)
+    weights = torch.softmax(view_l.double(), dim=0).unsqueeze(-1)
+    want = (weights * view_o.double()).sum(dim=0)
+    assert got.dtype == dtype and got.shape == (5, 4, 32)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    assert bool((got[4] == 0).all())

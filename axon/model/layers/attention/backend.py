@@ -215,6 +215,12 @@ class AttentionBackend:
         """Attend every query to its request's cached keys (this step's already written)."""
         raise NotImplementedError
 
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: Any
+    ) -> None:
+        """Write this step's K/V into the cache at its slots (a backend may do it in one op)."""
+        write_kv(k, v, k_cache, v_cache, self.common(metadata).slot_mapping)
+
     def forward_partial(
         self,
         q: torch.Tensor,  # [num_tokens, heads, head_dim]: any number of heads sharing the cache's

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from axon.distributed.parallel_state import TensorParallelGroup, tp_all_gather
+from axon.platforms.cpu_kernels import use_cpu_kernels
 
 
 def attend_context_parallel(
@@ -36,13 +37,16 @@ def attend_context_parallel(
     mine = slice(place * heads, (place + 1) * heads)  # this rank's heads among the group's
     outs = tp_all_gather(out)[members, :, mine]  # [D, tokens, heads, head_dim]
     lses = tp_all_gather(lse)[members, :, mine]  # [D, tokens, heads]
-    return merge_partials(outs, lses).to(q.dtype)
+    return merge_partials(outs, lses)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """Partial attentions over disjoint key sets ([parts, ..., head_dim] and their [parts, ...]
-    log-sum-exps) -> attention over their union, float32. Parts without keys weigh 0 (their
-    log-sum-exp is -1e30); rows with no key anywhere come out 0."""
-    weights = torch.exp(lses - lses.amax(dim=0, keepdim=True))  # [parts, ...]
-    total = (weights.unsqueeze(-1) * outs.float()).sum(dim=0)
-    return total / weights.sum(dim=0).unsqueeze(-1)
+    """Partial attentions over disjoint key sets ([parts, tokens, heads, head_dim] and their
+    [parts, tokens, heads] float32 log-sum-exps) -> attention over their union, in outs' dtype,
+    summed in float32 in part order. Parts without keys weigh 0 (their log-sum-exp is -1e30);
+    rows with no key anywhere come out 0. One C++ op on the CPU (axon/csrc/cpu_attention.cpp),
+    these torch ops elsewhere."""
+    if use_cpu_kernels(outs):
+        return torch.ops.axon_cpu.merge_attention_partials(outs, lses)
+    weights = torch.softmax(lses, dim=0).unsqueeze(-1)  # [parts, tokens, heads, 1]
+    return (weights * outs.float()).sum(dim=0).to(outs.dtype)

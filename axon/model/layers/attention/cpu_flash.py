@@ -129,6 +129,16 @@ class CpuFlashAttentionBackend(AttentionBackend):
             _sinks_f32(spec),
         )
 
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: CpuFlashMetadata,
+    ) -> None:
+        torch.ops.axon_cpu.write_kv(k, v, k_cache, v_cache, metadata.common.slot_mapping)
+
     def forward_partial(
         self,
         q: torch.Tensor,  # [num_tokens, heads, head_dim]

@@ -21,7 +21,7 @@ from torch import nn
 
 from axon.distributed.parallel_state import get_tp_group
 from axon.forward_context import get_forward_context
-from axon.model.layers.attention.backend import AttentionBackend, AttentionSpec, AttentionType, write_kv
+from axon.model.layers.attention.backend import AttentionBackend, AttentionSpec, AttentionType
 from axon.model.layers.attention.context_parallel import attend_context_parallel
 
 
@@ -101,7 +101,7 @@ class Attention(nn.Module):
             return self.backend.forward_encoder(q, k, v, metadata, self.spec)
         assert self.kv_cache is not None, "KV cache not bound to this attention layer"
         k_cache, v_cache = self.kv_cache
-        write_kv(k, v, k_cache, v_cache, common.slot_mapping)
+        self.backend.write_kv(k, v, k_cache, v_cache, metadata)
         if self.context_parallel:
             return attend_context_parallel(
                 q,
