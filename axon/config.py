@@ -134,6 +134,12 @@ class ParallelConfig:
     the cache holds N times the context, and attention merges the ranks' partial results by
     log-sum-exp. It divides tensor_parallel_size, and each KV head must be replicated on N ranks
     (tensor_parallel_size a multiple of num_key_value_heads x N)."""
+    attention_dp_size: int = 1
+    """Attention data parallelism (vllm-neuron's attention_dp_size; also read from
+    additional_config.neuron_config): 1, or tensor_parallel_size to replicate attention on every
+    rank and give each rank whole requests (their KV, all heads, only on that rank), while the
+    MLP, the embedding and the LM head stay tensor-parallel. The query heads need not divide
+    across the ranks. CPU only; steps run eagerly."""
     enable_expert_parallel: bool = False
     """MoE models: each of the tensor_parallel_size ranks holds num_experts / N whole experts
     (expert parallelism) instead of 1/N of every expert's width; attention splits as usual."""
@@ -423,10 +429,27 @@ def validate_config(config: AxonConfig) -> None:
         "must be at least 1",
     )
     need(s.scheduling_policy == "fcfs", "scheduling_policy", s.scheduling_policy, "supports only 'fcfs'")
-    for name in ("tensor_parallel_size", "data_parallel_size", "decode_context_parallel_size"):
+    for name in (
+        "tensor_parallel_size",
+        "data_parallel_size",
+        "decode_context_parallel_size",
+        "attention_dp_size",
+    ):
         value = getattr(p, name)
         need(isinstance(value, int) and value >= 1, name, value, "must be an integer of at least 1")
     need(p.pipeline_parallel_size == 1, "pipeline_parallel_size", p.pipeline_parallel_size, "must be 1")
+    need(
+        p.attention_dp_size in (1, p.tensor_parallel_size),
+        "attention_dp_size",
+        p.attention_dp_size,
+        f"must be 1 or tensor_parallel_size ({p.tensor_parallel_size}): attention is replicated on every rank",
+    )
+    need(
+        p.attention_dp_size == 1 or p.decode_context_parallel_size == 1,
+        "attention_dp_size",
+        p.attention_dp_size,
+        "cannot be combined with decode_context_parallel_size (each shards the KV cache its own way)",
+    )
     need(
         p.tensor_parallel_size % p.decode_context_parallel_size == 0,
         "decode_context_parallel_size",

@@ -24,15 +24,21 @@ _local = threading.local()
 class ForwardContext:
     attn_metadata: Any  # the backend's record of this step (``build_metadata``)
     attention_layers: Sequence[Any] = ()  # the model's attention layers, by layer index
+    # Attention data parallelism: the step's rows this rank attends (its requests' tokens), which
+    # ``attn_metadata`` describes alone; None: every row.
+    attention_rows: Any = None
 
 
 @contextmanager
-def set_forward_context(common: Any, attention_layers: Sequence[Any] = ()) -> Iterator[Any]:
-    """Run a forward over the step ``common`` describes; yields the backend's metadata."""
+def set_forward_context(
+    common: Any, attention_layers: Sequence[Any] = (), attention_rows: Any = None
+) -> Iterator[Any]:
+    """Run a forward over the step ``common`` describes (the rows ``attention_rows`` of it, if
+    given); yields the backend's metadata."""
     backend = attention_layers[0].backend if attention_layers else None
     metadata = common if backend is None else backend.build_metadata(common)
     prev = getattr(_local, "context", None)
-    _local.context = ForwardContext(metadata, attention_layers)
+    _local.context = ForwardContext(metadata, attention_layers, attention_rows)
     try:
         if backend is not None:
             backend.begin_step(metadata, attention_layers)

@@ -37,6 +37,9 @@ class TensorParallelGroup:
     # Decode context parallelism: consecutive runs of dcp_size ranks (which hold the same KV
     # heads) each shard a sequence's K/V by position (decode_context_parallel_size).
     dcp_size: int = 1
+    # Attention data parallelism: every rank holds the whole attention layer and attends its own
+    # requests; the rest of the model is split as usual (attention_dp_size).
+    attention_dp: bool = False
 
     @property
     def dcp_rank(self) -> int:
@@ -84,10 +87,15 @@ def expert_parallel() -> bool:
 
 
 def init_tensor_parallel(
-    init: DistributedInit, device: torch.device, cpu_kernels: bool, dcp_size: int = 1
+    init: DistributedInit,
+    device: torch.device,
+    cpu_kernels: bool,
+    dcp_size: int = 1,
+    attention_dp: bool = False,
 ) -> TensorParallelGroup:
     """Join the group described by ``init``; on the CPU with axon's kernels, map the shared
-    segment too. ``dcp_size``: decode_context_parallel_size (it divides the group's size)."""
+    segment too. ``dcp_size``: decode_context_parallel_size (it divides the group's size);
+    ``attention_dp``: attention_dp_size is the group's size."""
     assert init.size % dcp_size == 0, f"decode_context_parallel_size {dcp_size} does not divide {init.size}"
     global _group
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -105,9 +113,10 @@ def init_tensor_parallel(
     shm = os.environ.get("AXON_CPU_SHM_COLLECTIVES", "1") != "0"
     if shm and init.size > 1 and device.type == "cpu" and cpu_kernels and init.shm_path is not None:
         handle = torch.ops.axon_cpu.shm_comm_open(init.shm_path, init.rank, init.size, init.shm_slot_bytes)
-    _group = TensorParallelGroup(init.rank, init.size, handle, dcp_size)
+    _group = TensorParallelGroup(init.rank, init.size, handle, dcp_size, attention_dp and init.size > 1)
     how = "shared memory" if handle is not None else backend
     dcp = f", decode-context-parallel rank {_group.dcp_rank} of {dcp_size}" if dcp_size > 1 else ""
+    dcp += ", attention data-parallel (whole attention, own requests)" if _group.attention_dp else ""
     logger.info("tensor-parallel rank %d of %d%s (collectives: %s)", init.rank, init.size, dcp, how)
     return _group
 

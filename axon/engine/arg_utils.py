@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from axon.config import (
     AxonConfig,
     KVTransferConfig,
@@ -12,6 +14,7 @@ from axon.config import (
     build_config,
     default_cache_root,
     replace,
+    validate_config,
 )
 from axon.kv_transfer.config import parse_kv_transfer_config
 from axon.kv_transfer.kv_events import parse_kv_events_config
@@ -56,6 +59,7 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     # An unsupported architecture fails here, early.
     model_class = resolve_model_class(hf.get("architectures"))
     runner = _resolve_runner(m.runner, model_class, hf)
+    config = _resolve_attention_dp(config, runner)
     _check_tensor_parallel(config, model_class, hf)
     model_max = int(hf.get("max_position_embeddings") or 2048)
     default_len = model_max
@@ -155,7 +159,11 @@ def _check_tensor_parallel(config: AxonConfig, model_class: type, hf: dict[str, 
         )
     arch = model_class.arch_from_hf(hf)
     dense = len(arch.sparse_layers) < arch.num_layers
-    check_split(arch.num_heads, arch.num_kv_heads, arch.intermediate_size if dense else None, tp)
+    if config.parallel_config.attention_dp_size > 1:  # whole attention on every rank
+        if dense:
+            check_share(arch.intermediate_size, tp, "intermediate_size")
+    else:
+        check_split(arch.num_heads, arch.num_kv_heads, arch.intermediate_size if dense else None, tp)
     if arch.num_experts:
         if config.parallel_config.enable_expert_parallel:
             check_share(arch.num_experts, tp, "number of experts (enable_expert_parallel)")
@@ -174,6 +182,35 @@ def _check_tensor_parallel(config: AxonConfig, model_class: type, hf: dict[str, 
             "leave quantization unset (the GGUF weights load dequantized, each rank its slice) or use "
             "tensor_parallel_size 1"
         )
+
+
+def _resolve_attention_dp(config: AxonConfig, runner: str) -> AxonConfig:
+    """attention_dp_size from the flag or vllm-neuron's additional_config.neuron_config, checked;
+    its steps run eagerly (each rank's share of a step's rows changes from step to step)."""
+    p = config.parallel_config
+    neuron = (config.additional_config or {}).get("neuron_config") or {}
+    size = p.attention_dp_size
+    if size == 1 and isinstance(neuron, dict) and neuron.get("attention_dp_size", 1) != 1:
+        size = neuron["attention_dp_size"]
+        config = replace(config, parallel_config=replace(p, attention_dp_size=size))
+        validate_config(config)
+    if size == 1 or p.tensor_parallel_size == 1:
+        return config
+    device = config.device_config.device
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        raise ValueError(
+            "attention_dp_size needs the CPU: each rank's KV cache becomes resident only as its own "
+            "requests write it, which a CUDA allocation does not"
+        )
+    if runner != "generate":
+        raise ValueError("attention_dp_size applies only to generative models (runner='generate')")
+    comp = config.compilation_config
+    if comp.enforce_eager is False:
+        raise ValueError(
+            "attention_dp_size runs its steps eagerly (each rank's share of a step changes from step to "
+            "step); drop enforce_eager=False"
+        )
+    return replace(config, compilation_config=replace(comp, enforce_eager=True))
 
 
 def _check_decode_context_parallel(config: AxonConfig, num_kv_heads: int) -> None:

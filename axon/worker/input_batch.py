@@ -29,6 +29,8 @@ class CachedRequestState:
     token_ids: list[int] = field(init=False)  # prompt + output, kept in step
     # A pooling request's hidden states [n, hidden] of the prompt segments computed so far.
     hidden_parts: list[torch.Tensor] = field(default_factory=list)
+    # Attention data parallelism: the rank that attends it (and holds its KV); 0 otherwise.
+    attention_rank: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
@@ -45,8 +47,11 @@ class CachedRequestState:
 class RequestStates:
     """req_id -> CachedRequestState, updated from each SchedulerOutput."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, attention_ranks: int = 1) -> None:
         self.device = device
+        # Attention data parallelism: each new request goes to the rank attending the fewest
+        # (then the lowest): every rank sees the same scheduler outputs, so all agree.
+        self.attention_ranks = attention_ranks
         self.states: dict[str, CachedRequestState] = {}
         # A preempted request keeps its generator, so seeded sampling resumes where it stopped.
         self.preempted_generators: dict[str, torch.Generator] = {}
@@ -79,7 +84,11 @@ class RequestStates:
         if generator is None and params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
             assert params.seed is not None
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        load = [0] * self.attention_ranks
+        for state in self.states.values():
+            load[state.attention_rank] += 1
         return CachedRequestState(
+            attention_rank=load.index(min(load)),
             req_id=new.req_id,
             prompt_token_ids=list(new.prompt_token_ids),
             output_token_ids=list(new.output_token_ids),

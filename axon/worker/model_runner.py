@@ -46,6 +46,9 @@ class StepInputs:
     drafts: list[list[int]]  # per sampling request (aligned with sample_req_idx): drafts verified
     bucket: BucketStep | None = None  # the shape the step runs at
     graph: Callable[..., torch.Tensor] | None = None  # its compiled graph; None: eager
+    # Attention data parallelism: this rank's requests alone, and their rows of the step.
+    attention: CommonAttentionMetadata | None = None
+    attention_rows: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -66,11 +69,13 @@ class ModelRunner:
         self.block_size = block_size
         group = get_tp_group()  # decode context parallelism: this rank's share of each sequence
         self.dcp = (group.dcp_size, group.dcp_rank)
+        # Attention data parallelism: this rank attends (and keeps the KV of) its own requests.
+        self.attention_rank = group.rank if group.attention_dp else None
         self.vocab_size = vocab_size
         self.device = device
         self.buckets = buckets  # steps are padded to them only to run in a compiled graph
         self.compiler = compiler  # None: eager
-        self.requests = RequestStates(device)
+        self.requests = RequestStates(device, group.size if group.attention_dp else 1)
         self.sampler = Sampler()
         self.proposer = proposer  # speculative decoding: drafts after each step (None: off)
 
@@ -190,6 +195,15 @@ class ModelRunner:
         metadata = describe_step(
             segments, self.block_size, dev, num_tokens=padded, num_block_cols=block_cols, dcp=self.dcp
         )
+        attention, attention_rows = None, None
+        if self.attention_rank is not None:
+            loc = metadata.query_start_loc
+            mine = [
+                i for i, r in enumerate(req_ids) if self.requests[r].attention_rank == self.attention_rank
+            ]
+            attention = describe_step([segments[i] for i in mine], self.block_size, dev)
+            rows = [t for i in mine for t in range(loc[i], loc[i + 1])]
+            attention_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
         return StepInputs(
             req_ids=req_ids,
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
@@ -200,12 +214,15 @@ class ModelRunner:
             drafts=drafts,
             bucket=BucketStep(bucket_name(padded, is_decode), num_tokens, padded),
             graph=graph,
+            attention=attention,
+            attention_rows=attention_rows,
         )
 
     def run_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[padded tokens, hidden] through the bucket's compiled graph when it is ready, and the
         auxiliary hidden states an EAGLE3 head reads (None unless the target returns them)."""
-        with set_forward_context(inputs.attn_metadata, self.attention_layers):
+        step = inputs.attn_metadata if inputs.attention is None else inputs.attention
+        with set_forward_context(step, self.attention_layers, inputs.attention_rows):
             out = (inputs.graph or self.model)(inputs.input_ids, inputs.positions)
         return out if isinstance(out, tuple) else (out, None)
 

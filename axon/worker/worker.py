@@ -133,7 +133,9 @@ class Worker:
             world=num_local_cores * local_size,
         )
         if dist_init is not None:
-            init_tensor_parallel(dist_init, self.device, cpu_kernels, p.decode_context_parallel_size)
+            init_tensor_parallel(
+                dist_init, self.device, cpu_kernels, p.decode_context_parallel_size, p.attention_dp_size > 1
+            )
         set_expert_parallel(config.parallel_config.enable_expert_parallel)
         self.attention_backend = _attention_backend_name(
             config.compilation_config.attention_backend, self.device, cpu_kernels
@@ -274,6 +276,17 @@ class Worker:
         used = total - torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         decision = decide_num_blocks(self.config, self.bytes_per_block(), self.device.type, total, used)
         logger.info("KV cache size: %s", decision.reason)
+        p = self.config.parallel_config
+        if p.attention_dp_size > 1 and self.config.cache_config.num_gpu_blocks_override is None:
+            # Each rank writes only its own requests' blocks, and a CPU cache's pages become
+            # resident as they are first written: the ranks' budgets add up to one pool of ids.
+            logger.info(
+                "attention data parallelism: %d ranks' budgets make one pool of %d blocks, each rank "
+                "holding its own requests'",
+                p.attention_dp_size,
+                decision.num_blocks * p.attention_dp_size,
+            )
+            return decision.num_blocks * p.attention_dp_size
         return decision.num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon.distributed.parallel_state import tp_all_reduce
+from axon.distributed.parallel_state import get_tp_group, tp_all_reduce
+from axon.forward_context import get_forward_context
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.attention.layer import Attention
 from axon.model.layers.linear import MergedLinear
@@ -102,16 +103,22 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        first_q, self.num_heads = split(arch.num_heads, "number of attention heads")
-        first_kv, self.num_kv_heads = kv_heads(arch.num_kv_heads, arch.num_heads)
+        # Attention data parallelism: every head on every rank, each attending its own requests.
+        self.data_parallel = get_tp_group().attention_dp
+        if self.data_parallel:
+            first_q, self.num_heads, first_kv, self.num_kv_heads = 0, arch.num_heads, 0, arch.num_kv_heads
+        else:
+            first_q, self.num_heads = split(arch.num_heads, "number of attention heads")
+            first_kv, self.num_kv_heads = kv_heads(arch.num_kv_heads, arch.num_heads)
         self.head_dim = d
         self.qkv_sizes = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=arch.qkv_bias)
-        starts = (first_q * d, first_kv * d, first_kv * d)
-        set_shard(self.qkv_proj, "weight", 0, starts)
-        set_shard(self.qkv_proj, "bias", 0, starts)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        set_shard(self.o_proj, "weight", 1, (first_q * d,))
+        if not self.data_parallel:
+            starts = (first_q * d, first_kv * d, first_kv * d)
+            set_shard(self.qkv_proj, "weight", 0, starts)
+            set_shard(self.qkv_proj, "bias", 0, starts)
+            set_shard(self.o_proj, "weight", 1, (first_q * d,))
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
@@ -125,11 +132,20 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window,
             sinks=torch.empty(self.num_heads) if sinks else None,
         )
-        if sinks:
+        if sinks and not self.data_parallel:
             set_shard(self.attn, "sinks", 0, (first_q,))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x [T, hidden] -> [T, hidden]
+        if self.data_parallel:
+            # This rank's requests' rows only; the others' come from their ranks through the
+            # all-reduce, which sums disjoint rows.
+            rows = get_forward_context().attention_rows
+            out = self._attend(positions[rows], x[rows])
+            return tp_all_reduce(out.new_zeros(x.shape[0], out.shape[1]).index_copy_(0, rows, out))
+        return tp_all_reduce(self._attend(positions, x))
+
+    def _attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -139,7 +155,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v)  # [T, H, D]
-        return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class SparseMoeBlock(nn.Module):
