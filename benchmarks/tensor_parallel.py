@@ -8,6 +8,9 @@ process), on vs_peers' throughput workloads, plus what the all-reduces cost per 
 Workload (a) is vs_peers' tiny Llama (8 heads, 4 KV heads). SmolLM2-135M (vs_peers' b) has 9
 heads, which 2 ranks cannot split, so (b) here is Qwen2.5-Coder-0.5B-Instruct (14 heads, 2 KV
 heads; ``--qwen-gguf``, see reference models-offline: the Q4_K_M GGUF, loaded dequantized).
+Workload (s) is SmolLM2 itself (vs_peers' b) for ``mp-tp2-adp2``: attention data parallelism
+(``attention_dp_size`` 2) needs no head split; it runs eagerly, so ``uni-tp1-eager`` is its
+baseline (``--workloads s --configs uni-tp1-eager,mp-tp2-adp2``).
 Each configuration runs in its own subprocess through vs_peers' worker (load, one warm-up,
 ``--runs`` timed runs, the median reported).
 
@@ -20,6 +23,7 @@ prefill's; that is the time TP=2 spends in collectives per step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,11 +41,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "uni-tp1": {"distributed_executor_backend": "uni"},
     "mp-tp1": {"distributed_executor_backend": "mp"},
     "mp-tp2": {"distributed_executor_backend": "mp", "tensor_parallel_size": 2},
+    # Attention data parallelism runs eagerly: compare it with one eager process too.
+    "uni-tp1-eager": {"distributed_executor_backend": "uni", "enforce_eager": True},
+    "mp-tp2-adp2": {"distributed_executor_backend": "mp", "tensor_parallel_size": 2, "attention_dp_size": 2},
 }
+DEFAULT_CONFIGS = ("uni-tp1", "mp-tp1", "mp-tp2")
 QWEN_MODEL = "qwen2.5-coder-0.5b"
 WORKLOADS = {
     "a": vs_peers.WORKLOADS["a"],
     "b": vs_peers.Workload("b", QWEN_MODEL, "throughput", 16, 128, 128, ("axon",)),
+    # SmolLM2's 9 heads: two ranks only with attention data parallelism.
+    "s": dataclasses.replace(vs_peers.WORKLOADS["b"], name="s"),
 }
 
 
@@ -98,7 +108,7 @@ def _all_reduce_rank(rank: int, path: str, hidden: int, rows: int, iters: int, r
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="a,b")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--qwen-gguf", default="/tmp/qwen/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
@@ -155,6 +165,7 @@ def main() -> None:
                 *(f"{tok_s[c]:.1f}" if c in tok_s else "failed" for c in configs),
                 _ratio(tok_s, "mp-tp1", "uni-tp1"),
                 _ratio(tok_s, "mp-tp2", "uni-tp1"),
+                _ratio(tok_s, "mp-tp2-adp2", "uni-tp1-eager"),
                 f"{decode_us:.1f} us x {per_step} = {decode_us * per_step / 1e3:.2f} ms",
                 f"{collective_ms:.0f} of {run_ms:.0f} ms ({100 * collective_ms / run_ms:.0f}%)",
             ]
@@ -164,6 +175,7 @@ def main() -> None:
         *configs,
         "mp/uni",
         "TP2/TP1",
+        "ADP2/eager TP1",
         "all-reduce per decode step",
         "collectives in a TP=2 run",
     ]
