@@ -491,6 +491,11 @@ TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
       "fused_moe(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, Tensor? w13_bias, Tensor? w2_bias, "
       "int top_k, bool renormalize, int intermediate, int first_expert, int routing, int activation, float alpha, "
       "float limit) -> Tensor");
+  m.def(
+      "fused_moe_quant(Tensor x, Tensor router_logits, Tensor w13_codes, Tensor w13_scales, Tensor? w13_mins, "
+      "Tensor w2_codes, Tensor w2_scales, Tensor? w2_mins, int kind, int group13, int group2, Tensor? w13_bias, "
+      "Tensor? w2_bias, int top_k, bool renormalize, int intermediate, int first_expert, int routing, int activation, "
+      "float alpha, float limit) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(axon_cpu, CatchAll, m) {
@@ -508,6 +513,7 @@ TORCH_LIBRARY_IMPL(axon_cpu, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("w8a8_linear", &w8a8_linear);
   m.impl("fused_moe", &fused_moe);
+  m.impl("fused_moe_quant", &fused_moe_quant);
 }
 
 }  // namespace axon_cpu

@@ -204,6 +204,10 @@ def _register_fakes() -> None:
     ):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("axon_cpu::fused_moe_quant")
+    def _(x, router_logits, *rest):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("axon_cpu::attention")
     def _(q, k, v, layer, scale):
         return torch.empty_like(q)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from axon import LLM, SamplingParams
 from axon.model.layers.moe import FusedMoE, MoeMath, activate, moe_loop, pack_experts, route
+from axon.model.layers.quant import quant_kernel_supported, quantize_experts
 from axon.worker.logit_validation import teacher_forced_logits
 
 CASES = [
@@ -169,6 +170,91 @@ def test_ranks_holding_half_the_experts_each_sum_to_the_whole(bf16_kernel: None,
     torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0.02)
 
 
+@pytest.fixture(scope="module")
+def quant_kernel(bf16_kernel: None) -> None:
+    if not quant_kernel_supported():
+        pytest.skip("axon's quantized linear kernel needs a CPU with AVX-512 BF16 and VBMI")
+
+
+def _quantized_pair(block: FusedMoE, method: str, group: int | None) -> FusedMoE:
+    """Quantize ``block``'s experts for the fused op; returns a copy holding the same codes
+    dequantized (the loop's weights: the oracle)."""
+    oracle = FusedMoE(block.num_experts, block.hidden_size, block.intermediate_size, block.math,
+                      bias=block.w13_bias is not None).to(block.w13_weight.dtype)  # fmt: skip
+    oracle.load_state_dict(block.state_dict())
+    quantize_experts(oracle, method, group, use_kernel=False)
+    quantize_experts(block, method, group, use_kernel=True)
+    assert block.method == "fused_quant" and oracle.method == "loop"
+    assert not hasattr(block, "w13_weight")  # only the codes stay
+    return oracle
+
+
+@pytest.mark.parametrize(("method", "group"), [("int8", None), ("int4", None), ("int4", 16), ("fp8", None)])
+@pytest.mark.parametrize("gpt_oss", [False, True])
+@pytest.mark.parametrize(("experts", "top_k", "hidden", "intermediate", "tokens", "renormalize"), CASES)
+def test_the_quantized_fused_op_equals_the_loop_on_the_same_codes(
+    bf16_path: str,
+    quant_kernel: None,
+    method: str,
+    group: int | None,
+    gpt_oss: bool,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    tokens: int,
+    renormalize: bool,
+) -> None:
+    """Experts kept as int8, int4 (per group of 16 to 128 inputs) or FP8 codes: the quantized
+    op against the loop in float32 over the same codes dequantized, within bf16's error."""
+    block = _block(experts, top_k, hidden, intermediate, renormalize, seed=tokens, gpt_oss=gpt_oss).bfloat16()
+    oracle = _quantized_pair(block, method, group)
+    x, logits = _inputs(tokens, hidden, experts, seed=tokens + 1)
+    x = x.bfloat16()
+    biases = (oracle.w13_bias.float(), oracle.w2_bias.float()) if gpt_oss else (None, None)
+    expected = moe_loop(
+        x.float(), logits, oracle.w13_weight.float(), oracle.w2_weight.float(), block.math, 0, *biases
+    )
+    with torch.inference_mode():
+        got = block(x, logits)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, atol=0.01 * scale, rtol=0.02)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_the_quantized_fused_op_gives_a_token_the_same_numbers_alone_or_batched(
+    quant_kernel: None, method: str
+) -> None:
+    block = _block(8, 2, 64, 48, False, seed=5).bfloat16()
+    quantize_experts(block, method, None, use_kernel=True)
+    x, logits = _inputs(24, 64, 8, seed=6)
+    x, logits = x.bfloat16(), logits.bfloat16()
+    with torch.inference_mode():
+        batched = block(x, logits)
+        alone = torch.cat([block(x[i : i + 1], logits[i : i + 1]) for i in range(24)])
+        compiled = torch.compile(block, dynamic=False, fullgraph=True)(x, logits)
+    assert torch.equal(alone, batched)
+    assert torch.equal(compiled, batched)
+
+
+def test_the_quantized_fused_op_rejects_codes_of_another_shape(quant_kernel: None) -> None:
+    block = _block(4, 2, 64, 32, False, seed=7).bfloat16()
+    quantize_experts(block, "int8", None, use_kernel=True)
+    x, logits = _inputs(3, 64, 4, seed=8)
+
+    def call(w13_codes: torch.Tensor, group13: int) -> torch.Tensor:
+        return torch.ops.axon_cpu.fused_moe_quant(
+            x.bfloat16(), logits, w13_codes, block.w13_scales, None, block.w2_codes, block.w2_scales, None,
+            0, group13, 32, None, None, 2, False, 32, 0, 0, 0, 1.0, 1.0,
+        )  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="w13 codes must be 4 rows of"):
+        call(block.w13_codes[:, :-64].contiguous(), 64)
+    with pytest.raises(RuntimeError, match="w13's group 24 must be a multiple of 16"):
+        call(block.w13_codes, 24)
+
+
 def test_the_fused_op_rejects_bad_input(bf16_kernel: None) -> None:
     block = _block(4, 2, 64, 32, False, seed=7).bfloat16()
     pack_experts(block)
@@ -295,13 +381,53 @@ def test_bf16_moe_models_on_the_fused_op_track_transformers(
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9
 
 
-def test_quantization_leaves_the_router_and_the_experts_in_the_model_dtype(tiny_model_dir) -> None:
+def test_quantization_keeps_the_router_in_the_model_dtype_and_the_experts_as_codes(
+    quant_kernel: None, tiny_model_dir
+) -> None:
+    """``--quantization int8`` on a MoE model: attention and experts quantized (the experts on
+    the quantized fused op), the router not; the model still tracks transformers' float32
+    logits (the next token nearly everywhere)."""
     from axon.model.layers.quant import QuantLinear
 
-    llm = LLM(model=tiny_model_dir("qwen3_moe"), dtype="bfloat16", max_model_len=64, quantization="int8")
+    folder = tiny_model_dir("qwen3_moe_step2")
+    llm = LLM(model=folder, dtype="bfloat16", max_model_len=128, block_size=4, quantization="int8")
     model = llm.llm_engine.engine_core.executor.worker.model
-    block = model.model.layers[0].mlp
+    block = model.model.layers[1].mlp
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)  # the rest is quantized
     assert not isinstance(block.gate, QuantLinear) and isinstance(block.experts, FusedMoE)
+    assert block.experts.method == "fused_quant"
+    token_ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(13)).tolist()
+    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([token_ids])).logits[0]
+    got = teacher_forced_logits(model, token_ids, block_size=4).float()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.85
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_int4_experts_on_the_kernels_track_the_same_codes_in_float32(
+    quant_kernel: None, tiny_model_dir, tmp_path: Path
+) -> None:
+    """int4 (16 levels) moves a random model's logits too far for transformers to be the oracle;
+    the oracle is the same codes in float32 (every layer dequantized, the experts on the loop).
+    The checkpoint is rounded to bf16 first, so both dtypes quantize the same numbers."""
+    folder = Path(tiny_model_dir("qwen3_moe_step2"))
+    rounded = tmp_path / "bf16"
+    rounded.mkdir()
+    for f in folder.iterdir():
+        if f.name != "model.safetensors":
+            (rounded / f.name).write_bytes(f.read_bytes())
+    tensors = {k: v.bfloat16().float() for k, v in load_file(folder / "model.safetensors").items()}
+    save_file(tensors, rounded / "model.safetensors", metadata={"format": "pt"})
+    token_ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(14)).tolist()
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(model=str(rounded), dtype=dtype, max_model_len=128, block_size=4, quantization="int4")
+        model = llm.llm_engine.engine_core.executor.worker.model
+        expected_method = "fused_quant" if dtype == "bfloat16" else "loop"
+        assert model.model.layers[1].mlp.experts.method == expected_method
+        logits[dtype] = teacher_forced_logits(model, token_ids, block_size=4).float()
+    expected, got = logits["float32"], logits["bfloat16"]
+    assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9

@@ -135,3 +135,37 @@ def test_bad_input_is_a_400_and_the_server_goes_on(server: ServerProcess) -> Non
     assert "max_tokens" in str(err.value)
     reply = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
     assert reply.usage.completion_tokens == 3
+
+
+def test_int4_experts_serve_what_the_offline_engine_computes(tiny_model_dir) -> None:
+    """`--quantization int4` on Qwen3-MoE: the experts kept as int4 codes on the quantized
+    fused op (the log says so), greedy completions sent at once equal the offline engine's."""
+    from axon.model.layers.quant import quant_kernel_supported
+
+    moe_folder = tiny_model_dir("qwen3_moe_full_vocab")
+    proc = ServerProcess("--model", moe_folder, *ARGS, "--quantization", "int4")
+    try:
+        client = proc.wait_ready().client()
+        how = (
+            "fused CPU op on int4 codes"
+            if _fused_here() and quant_kernel_supported()
+            else "loop over experts"
+        )
+        assert f"{FAMILIES['qwen3_moe_full_vocab']}: {how}" in proc.log()
+        model = client.models.list().data[0].id
+        prompts = COMPLETION_PROMPTS[:6]
+
+        def complete(prompt: str) -> str:
+            return (
+                client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+                .choices[0]
+                .text
+            )
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            served = list(pool.map(complete, prompts))
+    finally:
+        proc.stop()
+    llm = LLM(model=moe_folder, dtype="bfloat16", max_model_len=256, quantization="int4")
+    params = SamplingParams(temperature=0, max_tokens=10)
+    assert served == [llm.generate([p], params, use_tqdm=False)[0].outputs[0].text for p in prompts]

@@ -11,6 +11,9 @@ cannot be traced into a static graph):
   load into the layout of axon's linear kernel; one call routes, sorts the (token, slot) pairs
   by expert, runs each picked expert's two GEMMs over just its rows and sums each token's
   slots in a fixed order, so a token's result does not depend on its batch.
+- ``fused_quant`` (``--quantization`` int8, int4, fp8 or w8a8, on the same CPUs as quantized
+  linears): ``torch.ops.axon_cpu.fused_moe_quant``, the same block with each expert's weights
+  kept as codes (``quant.quantize_experts``) and multiplied by the quantized linear kernel.
 - ``loop`` (every other dtype and device): ``moe_loop``, a loop over the experts in torch, the
   way transformers computes the block; it is also the fused op's oracle in the tests.
 
@@ -162,14 +165,45 @@ class FusedMoE(nn.Module):
         del self.w13_weight, self.w2_weight
         self.register_buffer("w13_packed", w13, persistent=False)
         self.register_buffer("w2_packed", w2, persistent=False)
-        if self.w13_bias is not None:  # the kernel adds them in float32
+        self._float_biases()
+        self.method = "fused"
+
+    def use_quantized(
+        self,
+        kind: int,
+        groups: tuple[int, int],
+        w13: list[torch.Tensor | None],
+        w2: list[torch.Tensor | None],
+        weight_bytes: int,
+    ) -> None:
+        """Switch to ``fused_moe_quant`` on quantized experts: ``w13`` and ``w2`` are each
+        (codes, scales, mins or None) in quant_linear's layout, stacked one row per expert
+        (``quant.quantize_experts`` builds them); ``kind`` their code kind, ``groups`` the inputs
+        per scale of each. The bf16 weights are dropped."""
+        del self.w13_weight, self.w2_weight
+        for name, tensors in (("w13", w13), ("w2", w2)):
+            for part, t in zip(("codes", "scales", "mins"), tensors, strict=True):
+                self.register_buffer(f"{name}_{part}", t, persistent=False)
+        self._float_biases()
+        self.quant_kind, self.quant_groups, self.weight_bytes = kind, groups, weight_bytes
+        self.method = "fused_quant"
+
+    def _float_biases(self) -> None:
+        if self.w13_bias is not None:  # the kernels add them in float32
             biases = self.w13_bias.detach().float(), self.w2_bias.detach().float()
             del self.w13_bias, self.w2_bias
             self.register_buffer("w13_bias", biases[0], persistent=False)
             self.register_buffer("w2_bias", biases[1], persistent=False)
-        self.method = "fused"
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.method == "fused_quant":
+            m = self.math
+            return torch.ops.axon_cpu.fused_moe_quant(
+                x, router_logits, self.w13_codes, self.w13_scales, self.w13_mins, self.w2_codes,
+                self.w2_scales, self.w2_mins, self.quant_kind, *self.quant_groups, self.w13_bias,
+                self.w2_bias, m.top_k, m.renormalize, self.intermediate_size, self.first_expert,
+                ROUTINGS.index(m.routing), ACTIVATIONS.index(m.activation), m.alpha, m.limit,
+            )  # fmt: skip
         if self.method == "fused":
             m = self.math
             return torch.ops.axon_cpu.fused_moe(

@@ -207,6 +207,25 @@ def quant_kernel_supported() -> bool:
     return hasattr(ops, "quant_linear_supported") and bool(ops.quant_linear_supported())
 
 
+def kernel_tensors(
+    weight: QuantizedWeight, allow_half: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes, scales, mins) of ``weight`` in the kernel's layout. The kernel takes uint4 codes with
+    mins (zeros where the weight has none). With ``allow_half`` the tables are float16 where that
+    loses nothing (GGUF's Q8_0, Q4_0, Q4_1 scales are float16): fewer bytes to stream."""
+    mins = weight.mins
+    if mins is None and weight.kind == KIND_UINT4:
+        mins = torch.zeros_like(weight.scales)
+    tables = [t for t in (weight.scales, mins) if t is not None]
+    half = allow_half and all(torch.equal(t.half().float(), t) for t in tables)
+    dtype = torch.float16 if half else torch.float32
+    return (
+        pack_codes(weight.codes, weight.kind),
+        pack_table(weight.scales).to(dtype),
+        pack_table(mins).to(dtype) if mins is not None else None,
+    )
+
+
 class QuantLinear(nn.Module):
     """``nn.Linear``'s forward on a ``QuantizedWeight``: axon's kernel where ``use_kernel``, else
     dequantize and ``F.linear``."""
@@ -220,19 +239,10 @@ class QuantLinear(nn.Module):
         self.use_kernel = use_kernel and weight.group % 16 == 0 and quant_kernel_supported()
         self.weight_bytes = weight.nbytes()
         if self.use_kernel:
-            self.register_buffer("codes", pack_codes(weight.codes, weight.kind), persistent=False)
-            mins = weight.mins
-            if mins is None and weight.kind == KIND_UINT4:  # the kernel takes uint4 codes with mins
-                mins = torch.zeros_like(weight.scales)
-            # float16 tables where that loses nothing (GGUF's Q8_0, Q4_0, Q4_1 scales are float16):
-            # fewer bytes to stream.
-            tables = [t for t in (weight.scales, mins) if t is not None]
-            half = all(torch.equal(t.half().float(), t) for t in tables)
-            dtype = torch.float16 if half else torch.float32
-            self.register_buffer("scales", pack_table(weight.scales).to(dtype), persistent=False)
-            self.register_buffer(
-                "mins", pack_table(mins).to(dtype) if mins is not None else None, persistent=False
-            )
+            codes, scales, mins = kernel_tensors(weight, allow_half=True)
+            self.register_buffer("codes", codes, persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
+            self.register_buffer("mins", mins, persistent=False)
         else:
             self.weight = weight
 
@@ -314,6 +324,38 @@ class W8A8Linear(nn.Module):
 def w8a8_kernel_supported() -> bool:
     ops = torch.ops.axon_cpu
     return hasattr(ops, "w8a8_linear_supported") and bool(ops.w8a8_linear_supported())
+
+
+def quantize_experts(model: nn.Module, method: str, group_size: int | None, use_kernel: bool) -> int:
+    """Every ``FusedMoE``'s experts to ``method``'s codes, each expert's gate/up and down weights
+    quantized on their own as a linear layer's would be (``w8a8``: int8 weight-only codes, the
+    activations staying bf16). Where the fused op runs (``use_kernel``, axon's quantized kernel on
+    this CPU) the block keeps only the codes and runs ``fused_moe_quant``; elsewhere its weights
+    are replaced by the dequantized codes (the same numbers, on the loop). Returns how many blocks."""
+    form = "int8" if method == "w8a8" else method
+    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for block in blocks:
+        with torch.no_grad():
+            w13 = [quantize_weight(w, form, group_size) for w in block.w13_weight.detach()]
+            w2 = [quantize_weight(w, form, group_size) for w in block.w2_weight.detach()]
+        groups = (w13[0].group, w2[0].group)
+        if use_kernel and all(g % 16 == 0 for g in groups) and quant_kernel_supported():
+            tensors = [[kernel_tensors(q, allow_half=False) for q in w] for w in (w13, w2)]
+            stacked = [
+                [
+                    torch.stack([t[i] for t in per_expert]) if per_expert[0][i] is not None else None
+                    for i in range(3)
+                ]
+                for per_expert in tensors
+            ]
+            block.use_quantized(
+                w13[0].kind, groups, stacked[0], stacked[1], sum(q.nbytes() for q in w13 + w2)
+            )
+        else:
+            with torch.no_grad():
+                block.w13_weight.copy_(torch.stack([q.dequantize() for q in w13]))
+                block.w2_weight.copy_(torch.stack([q.dequantize() for q in w2]))
+    return len(blocks)
 
 
 def quantize_linears(

@@ -12,8 +12,15 @@ from axon.config import ModelConfig
 from axon.distributed.parallel_state import get_tp_group
 from axon.model.layers.attention import AttentionBackend
 from axon.model.layers.linear import MergedLinear, pack_linears
-from axon.model.layers.moe import FusedMoE, pack_experts
-from axon.model.layers.quant import QuantizedWeight, QuantLinear, W8A8Linear, concat_rows, quantize_linears
+from axon.model.layers.moe import FusedMoE
+from axon.model.layers.quant import (
+    QuantizedWeight,
+    QuantLinear,
+    W8A8Linear,
+    concat_rows,
+    quantize_experts,
+    quantize_linears,
+)
 from axon.model.loader.gguf_loader import quantized_linear_weights
 from axon.model.loader.safetensors_loader import iterate_safetensors
 from axon.model.registry import resolve_model_class
@@ -72,20 +79,27 @@ def load_model(
             _quantize(model, model_config, use_kernel=linear_backend == "cpu_bf16")
         if linear_backend != "torch":
             pack_linears(model, linear_backend, linear_batch_hint)
-        _prepare_experts(model, fused=linear_backend == "cpu_bf16")
+        _prepare_experts(model, model_config, fused=linear_backend == "cpu_bf16")
         if device.type == "cpu":
             move_to_huge_pages(model)
         return model.eval()
 
 
-def _prepare_experts(model: nn.Module, fused: bool) -> None:
+def _prepare_experts(model: nn.Module, model_config: ModelConfig, fused: bool) -> None:
     """Mixture-of-experts blocks on the fused CPU op where the bf16 linear kernel runs (their
-    weights packed for it), else on the loop over experts; the log says which."""
+    weights packed for it, or under ``--quantization`` kept as codes for the quantized op), else
+    on the loop over experts; the log says which."""
     blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if not blocks:
         return
+    method = model_config.quantization
+    if method in ("int8", "int4", "fp8", "w8a8"):
+        with startup_phase(f"quantizing the experts ({method})"):
+            quantize_experts(model, method, model_config.quantization_group_size, use_kernel=fused)
     if fused:
-        pack_experts(model)
+        for block in blocks:
+            if block.method == "loop":
+                block.pack()
     first = blocks[0]
     share = ""
     if first.num_local_experts != first.num_experts:
@@ -95,13 +109,20 @@ def _prepare_experts(model: nn.Module, fused: bool) -> None:
     elif get_tp_group().size > 1:
         start = first.intermediate_start
         share = f", columns {start}..{start + first.intermediate_size - 1} of each expert on this rank"
+    how = {"fused": "fused CPU op", "fused_quant": f"fused CPU op on {method} codes"}.get(
+        first.method, "loop over experts"
+    )
+    if first.method == "fused_quant":
+        how += f", {sum(b.weight_bytes for b in blocks) / 2**20:.1f} MiB"
+    if method in ("int8", "int4", "fp8", "w8a8") and first.method == "loop":
+        how += f" ({method} codes dequantized: no quantized kernel on this path)"
     logger.info(
         "%d sparse MoE blocks of %d experts (%d per token)%s: %s",
         len(blocks),
         first.num_experts,
         first.top_k,
         share,
-        "fused CPU op" if fused else "loop over experts",
+        how,
     )
 
 
