@@ -85,6 +85,9 @@ class CacheConfig:
     calculate_kv_scales: bool = False
     """FP8 KV cache: each layer's scales from the first step's keys and values (amax / 200 for
     K, amax / 100 for V, as vLLM), instead of 1.0."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Keep every layer's KV in one group of blocks, even for a model with sliding-window layers
+    (GPT-OSS), whose blocks out of the window are otherwise freed (vLLM's flag)."""
 
 
 @dataclass(frozen=True)

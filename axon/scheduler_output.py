@@ -25,6 +25,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: EnginePoolingParams | None = None
+    # The KV cache's window group (sliding-window layers; 0 for blocks out of the window); empty
+    # without one.
+    window_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -37,6 +40,10 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_kept_blocks: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # The same for the window group's table (empty lists without one). Entries that fell out of
+    # the window are not sent again: no query reads them.
+    new_window_block_ids: list[list[int]] = field(default_factory=list)
+    num_kept_window_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from axon.core.kv_cache_utils import BlockHash
+from axon.core.kv_cache_utils import BlockHash, is_window_group_hash
 from axon.kv_transfer.kv_events import KVCacheEvent, KVEventRecorder
 
 
@@ -166,7 +166,7 @@ class BlockPool:
         )
         del self.cached_block_hash_to_block[block_hash]
         block.block_hash = None
-        if self.kv_events is not None:
+        if self.kv_events is not None and not is_window_group_hash(block_hash):
             self.kv_events.removed(block_hash)
         return True
 
@@ -189,6 +189,7 @@ class BlockPool:
         num_full_blocks: int,
         token_ids: Sequence[int] = (),
         cache_salt: str | None = None,
+        report: bool = True,
     ) -> None:
         """Register blocks ``[num_cached_blocks, num_full_blocks)`` of a request under its hashes.
 
@@ -196,7 +197,8 @@ class BlockPool:
                  0        num_cached_blocks             num_full_blocks
 
         ``token_ids`` (the request's, at least up to ``num_full_blocks``) and ``cache_salt`` are
-        read only by KV cache events, which report what each block holds.
+        read only by KV cache events, which report what each block holds; ``report`` False: no
+        event (the sliding-window group's copies of blocks the events already report).
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
@@ -216,7 +218,7 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
             registered.append(i)
-        if self.kv_events is not None:
+        if self.kv_events is not None and report:
             self._record_stored(request_block_hashes, registered, token_ids, cache_salt)
 
     def _record_stored(

@@ -30,6 +30,19 @@ BlockHash = bytes
 NONE_HASH: BlockHash = hashlib.sha256(b"axon").digest()
 
 
+# The sliding-window KV group's blocks are cached under their hash tagged with this byte: the
+# same prefix has one block in each group (the window group's copy for the windowed layers).
+WINDOW_GROUP_TAG = b"W"
+
+
+def window_group_hash(block_hash: BlockHash) -> BlockHash:
+    return WINDOW_GROUP_TAG + block_hash
+
+
+def is_window_group_hash(block_hash: BlockHash) -> bool:
+    return len(block_hash) == len(NONE_HASH) + 1 and block_hash[:1] == WINDOW_GROUP_TAG
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ``a`` by positive ``b``."""
     return -(a // -b)
@@ -84,9 +97,12 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
     return hash_new_full_blocks
 
 
-def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> int:
-    """How many requests of ``max_model_len`` tokens fit in the cache at once.
+def max_concurrency(
+    num_blocks: int, block_size: int, max_model_len: int, blocks_per_seq: int | None = None
+) -> int:
+    """How many requests of ``max_model_len`` tokens fit in the cache at once (each holding
+    ``blocks_per_seq`` blocks, by default one per ``block_size`` tokens).
 
     Block 0 is the null block and never holds KV, so ``num_blocks - 1`` blocks are usable.
     """
-    return max(num_blocks - 1, 0) // cdiv(max_model_len, block_size)
+    return max(num_blocks - 1, 0) // (blocks_per_seq or cdiv(max_model_len, block_size))

@@ -80,7 +80,10 @@ class Scheduler:
         spec_config: SpecDecodeConfig | None = None,
         kv_connector: KVConnectorScheduler | None = None,
         kv_load_failure_policy: str = "recompute",
+        window: int | None = None,
     ) -> None:
+        """``window``: the sliding window of a model whose layers are partly sliding-window, for
+        the KV cache's window group (kv_cache_manager.py); None: one group."""
         assert scheduler_config.max_num_batched_tokens is not None, (
             "resolve_config sets max_num_batched_tokens"
         )
@@ -92,13 +95,14 @@ class Scheduler:
         # An encoder keeps no KV, so there is no prefix to reuse.
         self.enable_caching = cache_config.enable_prefix_caching and not encoder_only
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, max_model_len, self.enable_caching
+            num_blocks, self.block_size, max_model_len, self.enable_caching, window
         )
         # The running set's cap: vllm-neuron's worst-case KV concurrency at max_model_len.
         self.max_running = self.max_num_seqs
         if scheduler_config.admission_kv_limit:
+            per_seq = self.kv_cache_manager.max_blocks_per_seq(self.max_num_batched_tokens)
             self.max_running = min(
-                self.max_num_seqs, max_concurrency(num_blocks, self.block_size, max_model_len)
+                self.max_num_seqs, max_concurrency(num_blocks, self.block_size, max_model_len, per_seq)
             )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()  # the holdback queue, FCFS
@@ -252,6 +256,7 @@ class Scheduler:
             assert n > 0, f"running request {req.req_id} has nothing to compute"
             lookahead = self._lookahead(req, n)
             num_kept_blocks = self.kv_cache_manager.get_num_blocks(req.req_id)
+            num_kept_window_blocks = self.kv_cache_manager.get_num_window_blocks(req.req_id)
             new_blocks = self.kv_cache_manager.allocate_slots(req, n, num_lookahead_tokens=lookahead)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -266,6 +271,10 @@ class Scheduler:
             cached.req_ids.append(req.req_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
             cached.num_kept_blocks.append(num_kept_blocks)
+            if self.kv_cache_manager.window is not None:
+                window_ids = self.kv_cache_manager.get_window_block_ids(req.req_id)
+                cached.new_window_block_ids.append(window_ids[num_kept_window_blocks:])
+                cached.num_kept_window_blocks.append(num_kept_window_blocks)
             cached.num_computed_tokens.append(req.num_computed_tokens)
             budget -= n
             i += 1
@@ -326,6 +335,7 @@ class Scheduler:
                     output_token_ids=list(req.output_token_ids),
                     sampling_params=req.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(req.req_id),
+                    window_block_ids=self.kv_cache_manager.get_window_block_ids(req.req_id),
                     num_computed_tokens=req.num_computed_tokens,
                     pooling_params=req.pooling_params,
                 )

@@ -909,13 +909,18 @@ struct AttentionStep {
   int64_t num_actual_tokens = -1;  // -1: no step is set
   std::vector<int64_t> windows;     // per layer (0: full attention); empty: none anywhere
   std::vector<at::Tensor> sinks;    // per layer, float32 [num_heads] or empty; empty list: none
+  // The KV cache's window group (the scheduler's second group of blocks): the slots and table
+  // of layers with a window; undefined: every layer reads slot_mapping and block_table.
+  at::Tensor window_slot_mapping, window_block_table;
 };
 thread_local AttentionStep t_step;
 
 void set_attention_step(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& query_start_loc,
                         const at::Tensor& seq_lens, int64_t num_actual_tokens,
-                        const std::optional<at::Tensor>& kv_scales, at::IntArrayRef windows, at::TensorList sinks) {
+                        const std::optional<at::Tensor>& kv_scales, at::IntArrayRef windows, at::TensorList sinks,
+                        const std::optional<at::Tensor>& window_slot_mapping,
+                        const std::optional<at::Tensor>& window_block_table) {
   TORCH_CHECK(windows.empty() || windows.size() == k_caches.size(), "one window per layer, or none");
   TORCH_CHECK(sinks.empty() || sinks.size() == k_caches.size(), "one sinks tensor per layer, or none");
   TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size(), "one k and one v cache per layer");
@@ -925,10 +930,19 @@ void set_attention_step(at::TensorList k_caches, at::TensorList v_caches, const 
               "an FP8 KV cache needs kv_scales: float32 [layers, 2]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1,
               "slot_mapping must be a contiguous int64 vector");
+  const bool window_group = window_slot_mapping.has_value() && window_slot_mapping->defined();
+  TORCH_CHECK(window_group == (window_block_table.has_value() && window_block_table->defined()),
+              "give the window group's slot mapping and block table, or neither");
   const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
-    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is past the cache's ", num_slots, " slots");
+  for (const at::Tensor* mapping : {&slot_mapping, window_group ? &*window_slot_mapping : nullptr}) {
+    if (mapping == nullptr) continue;
+    TORCH_CHECK(mapping->scalar_type() == at::kLong && mapping->is_contiguous() && mapping->dim() == 1 &&
+                    mapping->size(0) == slot_mapping.size(0),
+                "slot mappings must be contiguous int64 vectors of one length");
+    const int64_t* slots = mapping->data_ptr<int64_t>();
+    for (int64_t t = 0; t < mapping->size(0); ++t) {
+      TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is past the cache's ", num_slots, " slots");
+    }
   }
   for (size_t i = 0; i < k_caches.size(); ++i) {
     TORCH_CHECK(k_caches[i].sizes() == k_caches[0].sizes() && v_caches[i].sizes() == k_caches[0].sizes(),
@@ -938,8 +952,16 @@ void set_attention_step(at::TensorList k_caches, at::TensorList v_caches, const 
   const at::Tensor q_like = at::empty({num_actual_tokens, k_caches[0].size(2), k_caches[0].size(3)},
                                       k_caches[0].options());
   check_metadata(q_like, k_caches[0], v_caches[0], block_table, query_start_loc, seq_lens, num_actual_tokens);
+  if (window_group) {
+    TORCH_CHECK(window_block_table->sizes() == block_table.sizes(), "the window group's block table must have the "
+                "full group's shape");
+    check_metadata(q_like, k_caches[0], v_caches[0], *window_block_table, query_start_loc, seq_lens,
+                   num_actual_tokens);
+  }
   t_step = AttentionStep{k_caches.vec(),  v_caches.vec(), slot_mapping, block_table, query_start_loc, seq_lens,
-                         fp8 ? *kv_scales : at::Tensor(), num_actual_tokens, windows.vec(), sinks.vec()};
+                         fp8 ? *kv_scales : at::Tensor(), num_actual_tokens, windows.vec(), sinks.vec(),
+                         window_group ? *window_slot_mapping : at::Tensor(),
+                         window_group ? *window_block_table : at::Tensor()};
 }
 
 void clear_attention_step() { t_step = AttentionStep{}; }
@@ -958,9 +980,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               "q of shape ", q.sizes(), " does not fit the step's caches ", k_cache.sizes());
   const int64_t window = step.windows.empty() ? 0 : step.windows[layer];
   const float* sinks = step.sinks.empty() ? nullptr : sinks_of(step.sinks[layer], q.size(1));
+  // A sliding-window layer reads and writes the window group's blocks, when there is one.
+  const bool in_window_group = window > 0 && step.window_block_table.defined();
+  const at::Tensor& slot_mapping = in_window_group ? step.window_slot_mapping : step.slot_mapping;
+  const at::Tensor& block_table = in_window_group ? step.window_block_table : step.block_table;
   if (!step.kv_scales.defined()) {
-    write_kv(k, v, k_cache, v_cache, step.slot_mapping);
-    return attend(q.contiguous(), k_cache, v_cache, step.block_table, step.query_start_loc, step.seq_lens,
+    write_kv(k, v, k_cache, v_cache, slot_mapping);
+    return attend(q.contiguous(), k_cache, v_cache, block_table, step.query_start_loc, step.seq_lens,
                   step.num_actual_tokens, scale, window, sinks);
   }
   // FP8: the cache holds k / k_scale and v / v_scale, so scores take k_scale into the softmax
@@ -971,8 +997,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t n = step.num_actual_tokens;
   if (scales[0] <= 0.0f) scales[0] = std::max(k.narrow(0, 0, n).abs().max().item<float>() / 200.0f, 1e-6f);
   if (scales[1] <= 0.0f) scales[1] = std::max(v.narrow(0, 0, n).abs().max().item<float>() / 100.0f, 1e-6f);
-  write_kv(k, v, k_cache, v_cache, step.slot_mapping, scales[0], scales[1]);
-  at::Tensor out = attend(q.contiguous(), k_cache, v_cache, step.block_table, step.query_start_loc,
+  write_kv(k, v, k_cache, v_cache, slot_mapping, scales[0], scales[1]);
+  at::Tensor out = attend(q.contiguous(), k_cache, v_cache, block_table, step.query_start_loc,
                           step.seq_lens, n, scale * scales[0], window, sinks);
   if (scales[1] != 1.0f) out.mul_(scales[1]);
   return out;
@@ -997,7 +1023,7 @@ TORCH_LIBRARY(axon_cpu, m) {
   m.def(
       "set_attention_step(Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_table, "
       "Tensor query_start_loc, Tensor seq_lens, int num_actual_tokens, Tensor? kv_scales=None, "
-      "int[] windows, Tensor[] sinks) -> ()");
+      "int[] windows, Tensor[] sinks, Tensor? window_slot_mapping=None, Tensor? window_block_table=None) -> ()");
   m.def("clear_attention_step() -> ()");
   m.def("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
 }

@@ -51,7 +51,8 @@ class EngineCore:
         self.executor: Executor = Executor.get_class(config)(config)
         num_blocks = self.executor.determine_num_blocks()
         block_size = config.scheduler_block_size
-        _check_kv_fits(num_blocks, block_size, max_model_len)
+        window = self.executor.kv_cache_window()
+        _check_kv_fits(num_blocks, block_size, max_model_len, window)
         self.executor.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(
@@ -67,6 +68,7 @@ class EngineCore:
             ),
             spec_config=parse_spec_decode_config(config.speculative_config.speculative_config),
             **_kv_connector_args(config),
+            window=window,
         )
         self.block_hasher = make_block_hasher(block_size)
         self.async_scheduling = self.executor.max_concurrent_batches > 1
@@ -218,8 +220,10 @@ def _kv_connector_args(config: AxonConfig) -> dict:
     return {"kv_connector": connector, "kv_load_failure_policy": settings.kv_load_failure_policy}
 
 
-def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int, window: int | None = None) -> None:
     needed = cdiv(max_model_len, block_size) + 1
+    if window is not None:  # and the window group's blocks of the sliding layers
+        needed += min(cdiv(max_model_len, block_size), cdiv(window, block_size) + 1)
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache has {num_blocks} blocks of {block_size} tokens, fewer than the {needed} that one "

@@ -71,6 +71,10 @@ class Executor(ABC):
         """KV blocks every worker can hold (the minimum over workers; null block included)."""
 
     @abstractmethod
+    def kv_cache_window(self) -> int | None:
+        """The sliding window of the KV cache's window group (``Worker.kv_cache_window``); None: one group."""
+
+    @abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     @abstractmethod
@@ -118,6 +122,9 @@ class MultiRankExecutor(Executor):
 
     def determine_num_blocks(self) -> int:
         return min(self._call_all("determine_num_blocks"))
+
+    def kv_cache_window(self) -> int | None:
+        return self._call_all("kv_cache_window")[0]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call_all("initialize_kv_cache", num_blocks)

@@ -40,6 +40,9 @@ class UniProcExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
+    def kv_cache_window(self) -> int | None:
+        return self.worker.kv_cache_window()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 

@@ -26,6 +26,8 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     pooling_params: EnginePoolingParams | None = None
+    # The KV cache's window group (the sliding-window layers' blocks); empty without one.
+    window_block_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)  # prompt + output, kept in step
     # A pooling request's hidden states [n, hidden] of the prompt segments computed so far.
     hidden_parts: list[torch.Tensor] = field(default_factory=list)
@@ -77,6 +79,12 @@ class RequestStates:
             del state.block_ids[num_kept:]
             state.block_ids.extend(new_block_ids)
             state.num_computed_tokens = num_computed
+        for req_id, new_block_ids, num_kept in zip(
+            diffs.req_ids, diffs.new_window_block_ids, diffs.num_kept_window_blocks, strict=False
+        ):
+            state = self.states[req_id]
+            del state.window_block_ids[num_kept:]
+            state.window_block_ids.extend(new_block_ids)
 
     def _make_state(self, new: NewRequestData) -> CachedRequestState:
         generator = self.preempted_generators.pop(new.req_id, None)
@@ -94,6 +102,7 @@ class RequestStates:
             output_token_ids=list(new.output_token_ids),
             sampling_params=new.sampling_params,
             block_ids=list(new.block_ids),
+            window_block_ids=list(new.window_block_ids),
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
             pooling_params=new.pooling_params,

@@ -173,7 +173,7 @@ class ModelRunner:
             assert not spec or known_end == state.num_tokens, f"{req_id}: drafts after a partial prefill"
             token_ids += state.token_ids[start:known_end] + spec
             positions += range(start, end)
-            segments.append(Segment(state.block_ids, start, end))
+            segments.append(Segment(state.block_ids, start, end, state.window_block_ids))
             is_decode = is_decode and end - start == len(spec) + 1
             if known_end == state.num_tokens and state.pooling_params is None:
                 sample_req_idx.append(i)

@@ -253,14 +253,61 @@ class Worker:
             groups.append(self.proposer.kv_layers())
         return groups
 
+    def kv_cache_window(self) -> int | None:
+        """The sliding window of the KV cache's window group (vLLM's hybrid KV cache manager,
+        axon/core/kv_cache_manager.py): a model with both full and sliding-window layers (one
+        window) keeps its sliding layers' blocks apart and frees those out of the window. None:
+        one group (also when a feature needs one: a KV connector, context or attention data
+        parallelism, a draft with windows, or --disable-hybrid-kv-cache-manager)."""
+        if self.encoder_only:
+            return None
+        target, *drafts = self._kv_layers()
+        windows = {layer.spec.sliding_window for layer in target}
+        if None not in windows or len(windows) != 2:
+            return None  # no sliding layer, only sliding layers, or several windows
+        c, p = self.config, self.config.parallel_config
+        reason = None
+        if c.cache_config.disable_hybrid_kv_cache_manager:
+            reason = "--disable-hybrid-kv-cache-manager"
+        elif c.kv_transfer_config.kv_transfer_config is not None:
+            reason = "a KV connector moves whole blocks of every layer"
+        elif p.decode_context_parallel_size > 1 or p.attention_dp_size > 1:
+            reason = "context or attention data parallelism"
+        elif any(layer.spec.sliding_window is not None for layers in drafts for layer in layers):
+            reason = "the draft model has sliding-window layers"
+        if reason is not None:
+            logger.info("KV cache: one group of blocks for every layer (%s)", reason)
+            return None
+        return max(w for w in windows if w is not None)
+
+    def _kv_tensor_slots(self) -> list[list[int]]:
+        """For each model of ``_kv_layers``, which of its cache tensors each layer uses. With a
+        window group, the i-th full layer and the i-th sliding layer share tensor i (a block id
+        belongs to one group at a time, so they never use the same block); else one each."""
+        slots = []
+        window = self.kv_cache_window()
+        for n, layers in enumerate(self._kv_layers()):
+            if n > 0 or window is None:
+                slots.append(list(range(len(layers))))
+                continue
+            counts = {True: 0, False: 0}
+            model_slots = []
+            for layer in layers:
+                sliding = layer.spec.sliding_window is not None
+                model_slots.append(counts[sliding])
+                counts[sliding] += 1
+            slots.append(model_slots)
+        return slots
+
     def bytes_per_block(self) -> int:
-        """K and V of one block in every layer (the draft's included)."""
+        """K and V of one block in every cache tensor (the draft's included)."""
         block_size, elem = self.config.cache_config.block_size, self.kv_dtype.itemsize
-        return sum(
-            2 * block_size * layer.spec.num_kv_heads * layer.spec.head_dim * elem
-            for layers in self._kv_layers()
-            for layer in layers
-        )
+        total = 0
+        for layers, slots in zip(self._kv_layers(), self._kv_tensor_slots(), strict=True):
+            sizes = {slot: 2 * block_size * layer.spec.num_kv_heads * layer.spec.head_dim * elem
+                     for layer, slot in zip(layers, slots, strict=True)}  # fmt: skip
+            total += sum(sizes.values())
+        return total
 
     def determine_num_blocks(self) -> int:
         """KV blocks this worker can hold (block 0, the null block, included). An encoder holds
@@ -298,6 +345,11 @@ class Worker:
         self.kv_caches = []
         gib = num_blocks * self.bytes_per_block() / _GIB
         size = f"{num_blocks} blocks of {block_size} tokens ({gib:.2f} GiB, {self.kv_dtype})"
+        if (window := self.kv_cache_window()) is not None:
+            size += (
+                f"; the sliding-window layers' blocks apart (window {window}: blocks out of it are "
+                "freed), each cache tensor shared by a full and a sliding layer"
+            )
         if (dcp := self.config.parallel_config.decode_context_parallel_size) > 1:
             size += (
                 f", each block id {block_size * dcp} positions across {dcp} ranks (decode context parallel)"
@@ -307,20 +359,24 @@ class Worker:
             # "Memory of the engine process").
             size += ", resident as blocks are first used"
         with startup_phase(f"allocating the KV cache: {size}"):
-            for layers in self._kv_layers():
+            for layers, slots in zip(self._kv_layers(), self._kv_tensor_slots(), strict=True):
                 # An FP8 cache's per-layer (k_scale, v_scale): 1.0, or 0 to be calculated from
                 # the first step (calculate_kv_scales); the kernel reads and sets them in place.
                 fp8 = self.kv_dtype.itemsize == 1
                 initial = 0.0 if self.config.cache_config.calculate_kv_scales else 1.0
                 scales = torch.full((len(layers), 2), initial) if fp8 else None
-                for i, layer in enumerate(layers):
+                tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                for i, (layer, slot) in enumerate(zip(layers, slots, strict=True)):
                     shape = (num_blocks, block_size, layer.spec.num_kv_heads, layer.spec.head_dim)
-                    kv = (
-                        _zeros(shape, self.kv_dtype, self.device),
-                        _zeros(shape, self.kv_dtype, self.device),
-                    )
+                    if slot not in tensors:
+                        tensors[slot] = (
+                            _zeros(shape, self.kv_dtype, self.device),
+                            _zeros(shape, self.kv_dtype, self.device),
+                        )
+                        self.kv_caches.append(tensors[slot])
+                    kv = tensors[slot]
+                    assert tuple(kv[0].shape) == shape, "layers sharing a cache tensor must have one KV shape"
                     layer.bind_kv_cache(i, kv, scales)
-                    self.kv_caches.append(kv)
         settings = parse_kv_transfer_config(self.config.kv_transfer_config.kv_transfer_config)
         if settings is not None:
             self.kv_connector = make_worker_connector(

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from axon.core.block_pool import KVCacheBlock
 from axon.core.kv_cache_manager import KVCacheManager
-from axon.core.kv_cache_utils import make_block_hasher
+from axon.core.kv_cache_utils import make_block_hasher, window_group_hash
 from axon.core.request import Request
 from axon.sampling_params import EngineSamplingParams
 
@@ -280,6 +280,44 @@ def test_manager_check_integrity_catches_lost_reference() -> None:
         manager.check_integrity()
 
 
+def test_a_window_group_frees_what_no_query_reads_and_hits_need_the_window() -> None:
+    """Window 8, blocks of 4: once 20 tokens are computed, queries read keys 13.. only, so the
+    window group's blocks 0-2 are freed (null entries); a hit needs the window group's blocks of
+    its window, and shrinks to the longest prefix whose window is still cached."""
+    manager = KVCacheManager(40, BLOCK_SIZE, 64, enable_caching=True, window=8)
+    a = make_request("a", list(range(24)))
+    assert schedule(manager, a, 20) is not None  # 5 blocks in each group
+    assert manager.get_num_blocks("a") == manager.get_num_window_blocks("a") == 5
+    assert manager.allocate_slots(a, 4) is not None  # tokens 20..23: keys from 13 on
+    a.num_computed_tokens += 4
+    window_ids = manager.get_window_block_ids("a")
+    assert window_ids[:3] == [0, 0, 0] and all(window_ids[3:]) and len(window_ids) == 6
+    assert set(window_ids[3:]).isdisjoint(manager.get_block_ids("a"))
+    manager.check_integrity()
+    freed_window_block = manager.block_pool.blocks[manager.req_to_window_blocks["a"][3].block_id]
+    manager.free(a)
+    manager.check_integrity()
+    assert manager.usage == 0.0
+
+    # The same 24 tokens and more: the hit may cover 6 blocks (24 tokens), whose window starts
+    # in block 4 (keys 17..): the window group still caches blocks 3-5.
+    b = make_request("b", list(range(24)) + [99, 98])
+    hits, num_hit_tokens = manager.get_computed_blocks(b)
+    assert num_hit_tokens == 24
+    # Without window block 3 (evicted), a hit of 6 blocks still works (it reads from block 4),
+    # one of 5 (reading from block 3) would not.
+    manager.block_pool.evict_blocks([freed_window_block.block_id])
+    hits, num_hit_tokens = manager.get_computed_blocks(b)
+    assert num_hit_tokens == 24
+    c = make_request("c", list(range(21)))  # at most 5 blocks: its window reads block 3
+    hits, num_hit_tokens = manager.get_computed_blocks(c)
+    assert num_hit_tokens == 12  # 3 blocks: the window of 12 reads blocks 1-2, still cached
+    assert manager.allocate_slots(c, 9, num_hit_tokens, hits) is not None
+    window_ids = manager.get_window_block_ids("c")
+    assert window_ids[0] == 0 and all(window_ids[1:])  # block 0 is out of the hit's window
+    manager.check_integrity()
+
+
 # ---------------------------------------------------------------- randomized
 
 
@@ -287,13 +325,20 @@ class Simulator:
     """A toy scheduler over a real KVCacheManager, with a shadow of what each block holds.
 
     ``content[block_id]`` is the hash of the prefix whose KV the fake worker wrote there; a hit
-    must return blocks whose content is exactly the request's hashes.
+    must return blocks whose content is exactly the request's hashes. With a ``window`` the
+    manager keeps a window group too: every block a step's queries read or write must be held
+    (not the null block, not shared while written), and a hit's window blocks hold its prefix.
     """
 
-    def __init__(self, rng: random.Random, num_blocks: int = 24, max_model_len: int = 48) -> None:
+    def __init__(
+        self, rng: random.Random, num_blocks: int = 24, max_model_len: int = 48, window: int | None = None
+    ) -> None:
         self.rng = rng
         self.max_model_len = max_model_len
-        self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, max_model_len, enable_caching=True)
+        self.window = window
+        self.manager = KVCacheManager(
+            num_blocks, BLOCK_SIZE, max_model_len, enable_caching=True, window=window
+        )
         self.prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 16))] for _ in range(4)]
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -324,6 +369,10 @@ class Simulator:
             self.waiting.append(req)
             return
         self.running.append(req)
+        if self.window is not None and hits:
+            window_blocks = self.manager.req_to_window_blocks[req.req_id]
+            for i in range(self.manager.first_window_block(num_hit_tokens), len(hits)):
+                assert self.content[window_blocks[i].block_id] == window_group_hash(req.block_hashes[i])
         self.compute(req, num_hit_tokens, chunk)
 
     def compute(self, req: Request, num_hit_tokens: int, num_new_tokens: int) -> None:
@@ -338,6 +387,18 @@ class Simulator:
             self.content[block.block_id] = req.block_hashes[block_idx]
         for block_idx in range(end // BLOCK_SIZE, len(blocks)):
             self.content.pop(blocks[block_idx].block_id, None)  # partial or empty: not a full prefix
+        if self.window is not None:
+            window_blocks = self.manager.req_to_window_blocks[req.req_id]
+            assert len(window_blocks) == len(blocks)
+            # Keys start - window + 1 .. end - 1 are read: their blocks are held.
+            for block_idx in range(self.manager.first_window_block(start), len(window_blocks)):
+                assert not window_blocks[block_idx].is_null, f"window block {block_idx} read but freed"
+            for block_idx in range(start // BLOCK_SIZE, end // BLOCK_SIZE):
+                block = window_blocks[block_idx]
+                assert block.ref_cnt == 1, f"writing into shared {block}"
+                self.content[block.block_id] = window_group_hash(req.block_hashes[block_idx])
+            for block_idx in range(end // BLOCK_SIZE, len(window_blocks)):
+                self.content.pop(window_blocks[block_idx].block_id, None)
         req.num_computed_tokens = end
         if end == req.num_tokens:
             req.append_output_token_ids(self.rng.randrange(50))  # sampled; its KV comes next step
@@ -392,9 +453,10 @@ class Simulator:
         op()
 
 
+@pytest.mark.parametrize("window", [None, 5, 8])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_operations_keep_invariants(seed: int) -> None:
-    sim = Simulator(random.Random(seed))
+def test_random_operations_keep_invariants(seed: int, window: int | None) -> None:
+    sim = Simulator(random.Random(seed), window=window)
     for _ in range(3000):
         sim.random_op()
         sim.check()
@@ -408,9 +470,11 @@ def test_random_operations_keep_invariants(seed: int) -> None:
 class KVCacheMachine(RuleBasedStateMachine):
     """Hypothesis picks the geometry, the workload seed and the order of operations."""
 
-    @initialize(seed=st.integers(0, 2**16), num_blocks=st.integers(2, 12))
-    def start(self, seed: int, num_blocks: int) -> None:
-        self.sim = Simulator(random.Random(seed), num_blocks=num_blocks, max_model_len=32)
+    @initialize(
+        seed=st.integers(0, 2**16), num_blocks=st.integers(2, 12), window=st.sampled_from([None, 3, 8])
+    )
+    def start(self, seed: int, num_blocks: int, window: int | None) -> None:
+        self.sim = Simulator(random.Random(seed), num_blocks=num_blocks, max_model_len=32, window=window)
 
     @rule()
     def new_request(self) -> None:

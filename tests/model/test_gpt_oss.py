@@ -115,3 +115,52 @@ def test_prefix_cache_hits_across_the_sliding_window_change_nothing(tiny_model_d
     cached, cold = run(True), run(False)
     assert cached[1].num_cached_tokens >= 20
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in cold]
+
+
+# ---- the KV cache's window group (vLLM's hybrid KV cache manager) ----
+
+
+def _engine_of(llm: LLM):
+    return llm.llm_engine.engine_core
+
+
+def test_the_sliding_layers_blocks_out_of_the_window_are_freed_and_nothing_changes(tiny_model_dir) -> None:
+    """GPT-OSS (window 8, blocks of 4): with the window group a request past the window holds
+    about window / block_size blocks for its sliding layers, the same memory holds about twice
+    the blocks (a cache tensor per full-and-sliding pair of layers), and every token, batched,
+    chunked or after prefix-cache hits across the window, is what one group of blocks gives."""
+    folder = tiny_model_dir("gpt_oss")
+    prompts = [[(13 * i + 5 * j) % 500 for i in range(18 + 7 * j)] for j in range(4)]
+    prompts.append(prompts[3][:22] + [400, 401, 402])  # a prefix-cache hit past the window
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kwargs = {"dtype": "float32", "max_model_len": 128, "block_size": 4, "max_num_batched_tokens": 16}
+
+    def run(**extra) -> tuple[list, int, LLM]:
+        llm = LLM(model=folder, kv_cache_space_gib=0.001, **kwargs, **extra)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": prompts[4]}], params, use_tqdm=False)
+        return outs, _engine_of(llm).num_blocks, llm
+
+    hybrid, hybrid_blocks, llm = run()
+    one_group, one_group_blocks, _ = run(disable_hybrid_kv_cache_manager=True)
+    assert [o.outputs[0].token_ids for o in hybrid] == [o.outputs[0].token_ids for o in one_group]
+    assert hybrid[4].num_cached_tokens >= 16 and one_group[4].num_cached_tokens >= 16
+    assert hybrid_blocks == 2 * one_group_blocks - 1 or hybrid_blocks == 2 * one_group_blocks
+
+    # Mid-generation, a long request's window group holds only the blocks its window reads.
+    manager = _engine_of(llm).scheduler.kv_cache_manager
+    assert manager.window == 8
+    engine = llm.llm_engine
+    long_params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": prompts[3]}, long_params, request_id="long")
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        for req_id in manager.req_to_window_blocks:  # the one request
+            window_ids = manager.get_window_block_ids(req_id)
+            held.append(sum(1 for b in window_ids if b != 0))
+            assert len(window_ids) == manager.get_num_blocks(req_id)
+        manager.check_integrity()
+    assert len(held) >= 40
+    assert max(held[-20:]) <= 8 // 4 + 2  # the window's blocks and the step's
+    assert manager.num_free_blocks == manager.block_pool.num_blocks - 1

@@ -152,20 +152,39 @@ def test_int4_experts_serve_what_the_offline_engine_computes(tiny_model_dir) -> 
             else "loop over experts"
         )
         assert f"{FAMILIES['qwen3_moe_full_vocab']}: {how}" in proc.log()
-        model = client.models.list().data[0].id
-        prompts = COMPLETION_PROMPTS[:6]
-
-        def complete(prompt: str) -> str:
-            return (
-                client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
-                .choices[0]
-                .text
-            )
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            served = list(pool.map(complete, prompts))
+        served = _served_at_once(client, COMPLETION_PROMPTS[:6], max_tokens=10)
     finally:
         proc.stop()
-    llm = LLM(model=moe_folder, dtype="bfloat16", max_model_len=256, quantization="int4")
-    params = SamplingParams(temperature=0, max_tokens=10)
-    assert served == [llm.generate([p], params, use_tqdm=False)[0].outputs[0].text for p in prompts]
+    assert served == _offline(moe_folder, COMPLETION_PROMPTS[:6], max_tokens=10, quantization="int4")
+
+
+def _served_at_once(client: openai.OpenAI, prompts: list[str], max_tokens: int) -> list[str]:
+    """Greedy completions of ``prompts``, all sent at once."""
+    model = client.models.list().data[0].id
+
+    def complete(prompt: str) -> str:
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        return reply.choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(complete, prompts))
+
+
+def _offline(folder: str, prompts: list[str], max_tokens: int, **engine_args) -> list[str]:
+    """The offline engine's greedy completions in bfloat16, one prompt at a time."""
+    llm = LLM(model=folder, dtype="bfloat16", max_model_len=256, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].text for p in prompts]
+
+
+def test_sliding_layers_keep_only_their_window_and_serve_what_one_group_computes(
+    server: ServerProcess, family: str, moe_folder: str
+) -> None:
+    """GPT-OSS's sliding layers (window 8) keep their blocks apart and free those out of the
+    window (the start-up log says so; Qwen3-MoE has no window): completions well past the window,
+    sent at once, equal the offline engine's with one group of blocks, one prompt at a time."""
+    windowed = family.startswith("gpt_oss")
+    assert ("the sliding-window layers' blocks apart (window 8" in server.log()) == windowed
+    prompts = COMPLETION_PROMPTS[12:16]
+    served = _served_at_once(server.client(), prompts, max_tokens=40)
+    assert served == _offline(moe_folder, prompts, max_tokens=40, disable_hybrid_kv_cache_manager=True)

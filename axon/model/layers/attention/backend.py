@@ -14,6 +14,12 @@ block the scheduler gave for p (its blocks count block_size x D positions; each 
 block_size of them). A rank writes only its own positions (-1 for the others) and attends over
 its own keys; the ranks' partial results merge by their log-sum-exps (context_parallel.py).
 
+A model whose layers are partly sliding-window may hold its KV in two groups of blocks (the
+scheduler's window group, axon/core/kv_cache_manager.py): then the step also carries
+``window_block_table`` and ``window_slot_mapping`` for the sliding layers, built the same way
+from each request's window-group block ids, and ``layer_view`` hands a sliding layer the step
+with those in place of the full group's.
+
 Any number of query tokens per request is one shape: a decode has 1, a prefill segment many, a
 speculative verification step k + 1; each request's queries are the last ones of its sequence
 (bottom-right causal over its cached prefix). Requests of every kind share one step.
@@ -33,6 +39,7 @@ The step's life, once per forward (``axon/forward_context.py``):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +86,20 @@ class CommonAttentionMetadata:
     block_size: int
     dcp_world: int = 1  # decode context parallelism: this rank holds positions dcp_rank mod dcp_world
     dcp_rank: int = 0
+    # The KV cache's window group, for the sliding-window layers (layout above); None: one group.
+    window_block_table: torch.Tensor | None = None
+    window_slot_mapping: torch.Tensor | None = None
+
+    def window_view(self) -> CommonAttentionMetadata:
+        """The step as a sliding-window layer reads it: the window group's table and slots."""
+        assert self.window_block_table is not None and self.window_slot_mapping is not None
+        return dataclasses.replace(
+            self,
+            block_table=self.window_block_table,
+            slot_mapping=self.window_slot_mapping,
+            window_block_table=None,
+            window_slot_mapping=None,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +122,7 @@ class Segment:
     block_ids: Sequence[int]
     start: int
     end: int
+    window_block_ids: Sequence[int] = ()  # the KV cache's window group; empty: none
 
 
 def describe_step(
@@ -121,32 +143,55 @@ def describe_step(
         assert 0 <= seg.start < seg.end <= len(seg.block_ids) * block_size * world, (
             f"positions {seg.start}..{seg.end} do not fit {len(seg.block_ids)} blocks of {block_size * world}"
         )
-        ids = seg.block_ids
-        slots += [
-            ids[p // world // block_size] * block_size + p // world % block_size if p % world == rank else -1
-            for p in range(seg.start, seg.end)
-        ]
+        slots += _slots(seg.block_ids, seg.start, seg.end, block_size, world, rank)
         query_start_loc.append(query_start_loc[-1] + seg.end - seg.start)
         seq_lens.append(seg.end)
     num_actual = len(slots)
     num_tokens = num_actual if num_tokens is None else num_tokens
     assert num_tokens >= num_actual, f"{num_actual} tokens do not fit a step of {num_tokens} rows"
-    slots += [-1] * (num_tokens - num_actual)
     cols = max((len(s.block_ids) for s in segments), default=1)
     cols = cols if num_block_cols is None else max(cols, num_block_cols)
-    table = torch.zeros(len(segments), cols, dtype=torch.int64)
-    for i, seg in enumerate(segments):
-        table[i, : len(seg.block_ids)] = torch.tensor(seg.block_ids, dtype=torch.int64)
+    window_table, window_slots = None, None
+    if segments and segments[0].window_block_ids:
+        assert all(len(s.window_block_ids) == len(s.block_ids) for s in segments), (
+            "one window entry per block"
+        )
+        assert world == 1, "decode context parallelism keeps one KV group"
+        window_table = _block_table([s.window_block_ids for s in segments], cols).to(device)
+        window_slots = [
+            p for s in segments for p in _slots(s.window_block_ids, s.start, s.end, block_size, 1, 0)
+        ]
+        window_slots = torch.tensor(
+            window_slots + [-1] * (num_tokens - num_actual), dtype=torch.int64, device=device
+        )
     return CommonAttentionMetadata(
         num_actual_tokens=num_actual,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots + [-1] * (num_tokens - num_actual), dtype=torch.int64, device=device),
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
-        block_table=table.to(device),
+        block_table=_block_table([s.block_ids for s in segments], cols).to(device),
         block_size=block_size,
         dcp_world=world,
         dcp_rank=rank,
+        window_block_table=window_table,
+        window_slot_mapping=window_slots,
     )
+
+
+def _slots(ids: Sequence[int], start: int, end: int, block_size: int, world: int, rank: int) -> list[int]:
+    """Where positions start .. end - 1 write their K/V (-1: another context-parallel rank's)."""
+    return [
+        ids[p // world // block_size] * block_size + p // world % block_size if p % world == rank else -1
+        for p in range(start, end)
+    ]
+
+
+def _block_table(rows: Sequence[Sequence[int]], cols: int) -> torch.Tensor:
+    """[len(rows), cols] int64, the null block (0) past each row's end."""
+    table = torch.zeros(len(rows), cols, dtype=torch.int64)
+    for i, ids in enumerate(rows):
+        table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return table
 
 
 class AttentionBackend:
@@ -255,6 +300,15 @@ class AttentionBackend:
     def common(metadata: Any) -> CommonAttentionMetadata:
         """The description a backend's record was built from."""
         return metadata if isinstance(metadata, CommonAttentionMetadata) else metadata.common
+
+    def layer_view(self, metadata: Any, spec: AttentionSpec) -> Any:
+        """The step as the layer with ``spec`` reads it: a sliding-window layer's, when the KV
+        cache has a window group, is built on the window group's table and slots."""
+        common = self.common(metadata)
+        if spec.sliding_window is None or common.window_block_table is None:
+            return metadata
+        view = common.window_view()
+        return view if metadata is common else dataclasses.replace(metadata, common=view)
 
 
 def write_kv(

@@ -87,6 +87,8 @@ class CpuFlashAttentionBackend(AttentionBackend):
             common.num_actual_tokens,
             layers[0].kv_scales,
             *self._layer_extras(layers),
+            common.window_slot_mapping,
+            common.window_block_table,
         )
 
     def _layer_extras(self, layers: Sequence[Attention]) -> tuple[list[int], list[torch.Tensor]]:

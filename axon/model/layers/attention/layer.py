@@ -101,6 +101,7 @@ class Attention(nn.Module):
             return self.backend.forward_encoder(q, k, v, metadata, self.spec)
         assert self.kv_cache is not None, "KV cache not bound to this attention layer"
         k_cache, v_cache = self.kv_cache
+        metadata = self.backend.layer_view(metadata, self.spec)
         self.backend.write_kv(k, v, k_cache, v_cache, metadata)
         if self.context_parallel:
             return attend_context_parallel(
