@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from axon.core.block_pool import BlockPool, KVCacheBlock
-from axon.core.kv_cache_utils import BlockHash, cdiv, window_group_hash
+from axon.core.kv_cache_utils import BlockHash, blocks_per_seq, cdiv, window_group_hash
 from axon.core.request import Request
 from axon.kv_transfer.kv_events import KVCacheEvent
 
@@ -114,12 +114,8 @@ class KVCacheManager:
         return max(0, num_computed_tokens - self.window + 1) // self.block_size
 
     def max_blocks_per_seq(self, max_num_batched_tokens: int) -> int:
-        """The most blocks one request of ``max_model_len`` tokens holds: one per block_size
-        tokens, and in the window group those of the window and of a step's tokens."""
-        full = self.num_blocks_needed(self.max_model_len)
-        if self.window is None:
-            return full
-        return full + min(full, self.num_blocks_needed(self.window + max_num_batched_tokens) + 1)
+        """The most blocks one request of ``max_model_len`` tokens holds (``blocks_per_seq``)."""
+        return blocks_per_seq(self.max_model_len, self.block_size, self.window, max_num_batched_tokens)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

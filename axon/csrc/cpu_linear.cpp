@@ -493,7 +493,8 @@ TORCH_LIBRARY_FRAGMENT(axon_cpu, m) {
       "float limit) -> Tensor");
   m.def(
       "fused_moe_quant(Tensor x, Tensor router_logits, Tensor w13_codes, Tensor w13_scales, Tensor? w13_mins, "
-      "Tensor w2_codes, Tensor w2_scales, Tensor? w2_mins, int kind, int group13, int group2, Tensor? w13_bias, "
+      "Tensor w2_codes, Tensor w2_scales, Tensor? w2_mins, int kind13, int kind2, int group13, int group2, "
+      "Tensor? w13_bias, "
       "Tensor? w2_bias, int top_k, bool renormalize, int intermediate, int first_expert, int routing, int activation, "
       "float alpha, float limit) -> Tensor");
 }

@@ -25,7 +25,8 @@
 // at a time so the intermediate buffers stay bounded for long prefills.
 //
 // ``fused_moe_quant`` is the same block on quantized experts (int8, uint4 or FP8 E4M3 codes in
-// quant_linear's layout, cpu_linear_quant.h), each expert's GEMMs on quant_linear's kernels.
+// quant_linear's layout, cpu_linear_quant.h; w13's and w2's kinds may differ, as a GGUF file's
+// Q4_K gate/up beside Q6_K down), each expert's GEMMs on quant_linear's kernels.
 
 #if defined(__AVX512BF16__) && defined(AXON_AVX512_VEC)
 
@@ -307,15 +308,17 @@ QuantExperts check_quant_experts(const char* name, const at::Tensor& codes, cons
 at::Tensor fused_moe_quant(const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w13_codes,
                            const at::Tensor& w13_scales, const std::optional<at::Tensor>& w13_mins,
                            const at::Tensor& w2_codes, const at::Tensor& w2_scales,
-                           const std::optional<at::Tensor>& w2_mins, int64_t kind, int64_t group13, int64_t group2,
+                           const std::optional<at::Tensor>& w2_mins, int64_t kind13, int64_t kind2, int64_t group13,
+                           int64_t group2,
                            const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias,
                            int64_t top_k, bool renormalize, int64_t intermediate, int64_t first_expert,
                            int64_t routing, int64_t activation, double alpha, double limit) {
 #if defined(AXON_QUANT_LINEAR)
   const MoeArgs a = check_moe_args(x, router_logits, w13_codes.size(0), w13_bias, w2_bias, top_k, intermediate,
                                    first_expert, routing, activation);
-  const QuantExperts q13 = check_quant_experts("w13", w13_codes, w13_scales, w13_mins, kind, group13, a.L, 2 * a.I, a.H);
-  const QuantExperts q2 = check_quant_experts("w2", w2_codes, w2_scales, w2_mins, kind, group2, a.L, a.H, a.I);
+  const QuantExperts q13 =
+      check_quant_experts("w13", w13_codes, w13_scales, w13_mins, kind13, group13, a.L, 2 * a.I, a.H);
+  const QuantExperts q2 = check_quant_experts("w2", w2_codes, w2_scales, w2_mins, kind2, group2, a.L, a.H, a.I);
   const float *b13p = a.b13p(), *b2p = a.b2p();
   const int64_t I = a.I, H = a.H;
   return run_moe(
@@ -341,7 +344,7 @@ at::Tensor fused_moe(const at::Tensor&, const at::Tensor&, const at::Tensor&, co
 
 at::Tensor fused_moe_quant(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-                           const std::optional<at::Tensor>&, int64_t, int64_t, int64_t,
+                           const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t,
                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, bool, int64_t,
                            int64_t, int64_t, int64_t, double, double) {
   TORCH_CHECK(false, "fused_moe_quant needs a CPU with AVX-512 BF16 and VBMI (see quant_linear_supported())");

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from axon.config import AxonConfig
+from axon.core.kv_cache_utils import blocks_per_seq
 from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel, set_expert_parallel
 from axon.kv_transfer.base import KVConnectorWorker
 from axon.kv_transfer.config import parse_kv_transfer_config
@@ -53,14 +54,20 @@ class KVCacheDecision:
 
 
 def decide_num_blocks(
-    config: AxonConfig, bytes_per_block: int, device_type: str, total_bytes: int, used_bytes: int = 0
+    config: AxonConfig,
+    bytes_per_block: int,
+    device_type: str,
+    total_bytes: int,
+    used_bytes: int = 0,
+    window: int | None = None,
 ) -> KVCacheDecision:
     """The number of KV blocks, from the config and facts of the machine only.
 
     Deliberately not from free memory: free memory differs between two starts on the same
     machine (page cache, other processes), and so did the cache size (8,604 then 4,269 blocks).
     ``used_bytes``: what the device has in use already (on CUDA: this engine's weights, other
-    processes), taken out of ``gpu_memory_utilization``'s share as vLLM does.
+    processes), taken out of ``gpu_memory_utilization``'s share as vLLM does. ``window``: the
+    KV cache's sliding-window group, whose blocks a sequence holds too.
     """
     cache, sched = config.cache_config, config.scheduler_config
     if cache.num_gpu_blocks_override is not None:
@@ -78,8 +85,10 @@ def decide_num_blocks(
         budget = int(cache.kv_cache_space_gib * _GIB)
         why = f"kv_cache_space_gib {cache.kv_cache_space_gib:g} GiB"
     else:
-        blocks_per_seq = -(-max_model_len // config.scheduler_block_size)
-        need = (sched.max_num_seqs * blocks_per_seq + 1) * bytes_per_block
+        # (Unresolved, a step's tokens are at most max_model_len: a bound, for the window group.)
+        step_tokens = sched.max_num_batched_tokens or max_model_len
+        per_seq = blocks_per_seq(max_model_len, config.scheduler_block_size, window, step_tokens)
+        need = (sched.max_num_seqs * per_seq + 1) * bytes_per_block
         budget, limit = min(
             (need, "what they need"),
             (int(AUTO_CPU_KV_CAP_GIB * _GIB), f"the {AUTO_CPU_KV_CAP_GIB:g} GiB cap"),
@@ -315,13 +324,15 @@ class Worker:
         if self.encoder_only:
             c = self.config
             assert c.model_config.max_model_len is not None
-            blocks_per_seq = -(-c.model_config.max_model_len // c.scheduler_block_size)
+            per_seq = blocks_per_seq(c.model_config.max_model_len, c.scheduler_block_size)
             logger.info("KV cache: none (encoder-only attention)")
-            return c.scheduler_config.max_num_seqs * blocks_per_seq + 1
+            return c.scheduler_config.max_num_seqs * per_seq + 1
         total = total_memory_bytes(self.device)
         # On CUDA, what the whole device has in use: this engine's weights and other processes.
         used = total - torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-        decision = decide_num_blocks(self.config, self.bytes_per_block(), self.device.type, total, used)
+        decision = decide_num_blocks(
+            self.config, self.bytes_per_block(), self.device.type, total, used, self.kv_cache_window()
+        )
         logger.info("KV cache size: %s", decision.reason)
         p = self.config.parallel_config
         if p.attention_dp_size > 1 and self.config.cache_config.num_gpu_blocks_override is None:

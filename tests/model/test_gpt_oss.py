@@ -164,3 +164,13 @@ def test_the_sliding_layers_blocks_out_of_the_window_are_freed_and_nothing_chang
     assert len(held) >= 40
     assert max(held[-20:]) <= 8 // 4 + 2  # the window's blocks and the step's
     assert manager.num_free_blocks == manager.block_pool.num_blocks - 1
+
+
+def test_the_automatic_kv_cache_fits_max_num_seqs_with_their_windows(tiny_model_dir) -> None:
+    """kv_cache_space_gib auto sizes the cache for max_num_seqs full-length sequences, each
+    holding its window group's blocks too: admission still lets all of them run at once."""
+    llm = LLM(
+        model=tiny_model_dir("gpt_oss"), dtype="float32", max_model_len=128, block_size=4, max_num_seqs=5
+    )
+    scheduler = _engine_of(llm).scheduler
+    assert scheduler.kv_cache_manager.window == 8 and scheduler.max_running == 5

@@ -709,10 +709,10 @@ def test_dummy_load_format_draws_seeded_weights_on_the_device(tiny_model_dir) ->
 # ---- a mixture of experts (llama.cpp's qwen3moe) ------------------------------------------------
 
 
-def test_a_qwen3moe_gguf_matches_transformers(tmp_path: Path) -> None:
-    """llama.cpp stores each layer's experts stacked (``ffn_{gate,up,down}_exps`` [E, out, in])
-    beside the router (``ffn_gate_inp``); the converted folder's model gives transformers' logits
-    for the same weights."""
+def _qwen3moe_gguf(tmp_path: Path, expert_types: Mapping[str, Q] | None = None):
+    """A tiny random Qwen3-MoE as transformers builds it, and as a qwen3moe GGUF file: the
+    experts stacked (``ffn_{gate,up,down}_exps`` [E, out, in]) beside the router
+    (``ffn_gate_inp``), in float32 or in ``expert_types``' types (gate, up, down)."""
     import transformers as tf
 
     spec = TinySpec("qwen3moe", qk_norm=True)
@@ -750,25 +750,54 @@ def test_a_qwen3moe_gguf_matches_transformers(tmp_path: Path) -> None:
         for part, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
             stacked = torch.stack(
                 [weights[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"] for e in range(experts)]
-            )
-            tensors[f"blk.{layer}.ffn_{short}_exps.weight"] = (stacked.numpy(), None)
+            ).numpy()
+            qtype = (expert_types or {}).get(short, Q.F32)
+            tensors[f"blk.{layer}.ffn_{short}_exps.weight"] = quantize_for_gguf(stacked, qtype)
 
     def expert_metadata(writer: gguf.GGUFWriter) -> None:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(used)
         writer.add_expert_feed_forward_length(width)
 
-    path = write_gguf(tmp_path / "moe.gguf", spec, tensors, expert_metadata)
+    return write_gguf(tmp_path / "moe.gguf", spec, tensors, expert_metadata), hf
 
+
+MOE_TOKENS = [5, 17, 42, 99, 7, 3, 200, 150, 11, 60, 61, 62, 8]
+
+
+def test_a_qwen3moe_gguf_matches_transformers(tmp_path: Path) -> None:
+    """The converted folder's model gives transformers' logits for the same weights."""
     from axon import LLM
     from axon.worker.logit_validation import teacher_forced_logits
 
+    path, hf = _qwen3moe_gguf(tmp_path)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=4)
     model = llm.llm_engine.engine_core.executor.worker.model
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    token_ids = [5, 17, 42, 99, 7, 3, 200, 150, 11, 60, 61, 62, 8]
     with torch.no_grad():
-        expected = hf(torch.tensor([token_ids])).logits[0]
+        expected = hf(torch.tensor([MOE_TOKENS])).logits[0]
     torch.testing.assert_close(
-        teacher_forced_logits(model, token_ids, block_size=4), expected, atol=1e-4, rtol=1e-4
+        teacher_forced_logits(model, MOE_TOKENS, block_size=4), expected, atol=1e-4, rtol=1e-4
     )
+
+
+def test_a_qwen3moe_gguf_keeps_its_quantized_experts_as_they_are(tmp_path: Path) -> None:
+    """With ``--quantization gguf`` the file's expert blocks (Q8_0 gate and up, Q4_1 down: two
+    kinds of codes) run as they are on the quantized fused op, and give the logits of the same
+    blocks dequantized (the float32 engine) within bf16's error."""
+    from axon import LLM
+    from axon.model.layers.quant import quant_kernel_supported
+    from axon.worker.logit_validation import teacher_forced_logits
+
+    path, _ = _qwen3moe_gguf(tmp_path, {"gate": Q.Q8_0, "up": Q.Q8_0, "down": Q.Q4_1})
+    logits = {}
+    for dtype, quantization in (("float32", None), ("bfloat16", "gguf")):
+        llm = LLM(model=str(path), dtype=dtype, max_model_len=128, block_size=4, quantization=quantization)
+        model = llm.llm_engine.engine_core.executor.worker.model
+        experts = model.model.layers[0].mlp.experts
+        if quantization is not None and quant_kernel_supported():
+            assert experts.method == "fused_quant" and experts.quant_groups == (32, 32)
+        logits[dtype] = teacher_forced_logits(model, MOE_TOKENS, block_size=4).float()
+    expected, got = logits["float32"], logits["bfloat16"]
+    assert (got - expected).abs().max().item() < 0.03 * expected.abs().max().item()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9

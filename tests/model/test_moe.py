@@ -246,7 +246,7 @@ def test_the_quantized_fused_op_rejects_codes_of_another_shape(quant_kernel: Non
     def call(w13_codes: torch.Tensor, group13: int) -> torch.Tensor:
         return torch.ops.axon_cpu.fused_moe_quant(
             x.bfloat16(), logits, w13_codes, block.w13_scales, None, block.w2_codes, block.w2_scales, None,
-            0, group13, 32, None, None, 2, False, 32, 0, 0, 0, 1.0, 1.0,
+            0, 0, group13, 32, None, None, 2, False, 32, 0, 0, 0, 1.0, 1.0,
         )  # fmt: skip
 
     with pytest.raises(RuntimeError, match="w13 codes must be 4 rows of"):

@@ -43,6 +43,15 @@ def test_auto_is_need_capped_at_4_gib_and_a_quarter_of_memory() -> None:
     few = decide_num_blocks(build_config(max_model_len=512, max_num_seqs=4), BYTES_PER_BLOCK, "cpu", 64 * GIB)
     assert few.num_blocks == 4 * 32 + 1  # 4 sequences of 32 blocks, and the null block
     assert "what they need" in few.reason
+    # With a sliding-window group (window 128) a sequence also holds the blocks of its window and
+    # of one step's tokens (max_num_batched_tokens 512 here): 32 + min(32, (128 + 512) / 16 + 1).
+    windowed = decide_num_blocks(
+        build_config(max_model_len=512, max_num_seqs=4), BYTES_PER_BLOCK, "cpu", 64 * GIB, window=128
+    )
+    assert windowed.num_blocks == 4 * (32 + 32) + 1
+    config = build_config(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=256)
+    windowed = decide_num_blocks(config, BYTES_PER_BLOCK, "cpu", 64 * GIB, window=128)
+    assert windowed.num_blocks == 4 * (256 + 25) + 1
 
 
 def test_explicit_sizes_say_where_they_came_from() -> None:

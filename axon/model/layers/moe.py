@@ -170,7 +170,7 @@ class FusedMoE(nn.Module):
 
     def use_quantized(
         self,
-        kind: int,
+        kinds: tuple[int, int],
         groups: tuple[int, int],
         w13: list[torch.Tensor | None],
         w2: list[torch.Tensor | None],
@@ -178,14 +178,14 @@ class FusedMoE(nn.Module):
     ) -> None:
         """Switch to ``fused_moe_quant`` on quantized experts: ``w13`` and ``w2`` are each
         (codes, scales, mins or None) in quant_linear's layout, stacked one row per expert
-        (``quant.quantize_experts`` builds them); ``kind`` their code kind, ``groups`` the inputs
-        per scale of each. The bf16 weights are dropped."""
+        (``quant.quantize_experts`` builds them); ``kinds`` and ``groups`` their code kinds and
+        inputs per scale. The bf16 weights are dropped."""
         del self.w13_weight, self.w2_weight
         for name, tensors in (("w13", w13), ("w2", w2)):
             for part, t in zip(("codes", "scales", "mins"), tensors, strict=True):
                 self.register_buffer(f"{name}_{part}", t, persistent=False)
         self._float_biases()
-        self.quant_kind, self.quant_groups, self.weight_bytes = kind, groups, weight_bytes
+        self.quant_kinds, self.quant_groups, self.weight_bytes = kinds, groups, weight_bytes
         self.method = "fused_quant"
 
     def _float_biases(self) -> None:
@@ -200,7 +200,7 @@ class FusedMoE(nn.Module):
             m = self.math
             return torch.ops.axon_cpu.fused_moe_quant(
                 x, router_logits, self.w13_codes, self.w13_scales, self.w13_mins, self.w2_codes,
-                self.w2_scales, self.w2_mins, self.quant_kind, *self.quant_groups, self.w13_bias,
+                self.w2_scales, self.w2_mins, *self.quant_kinds, *self.quant_groups, self.w13_bias,
                 self.w2_bias, m.top_k, m.renormalize, self.intermediate_size, self.first_expert,
                 ROUTINGS.index(m.routing), ACTIVATIONS.index(m.activation), m.alpha, m.limit,
             )  # fmt: skip

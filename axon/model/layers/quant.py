@@ -66,6 +66,14 @@ class QuantizedWeight:
         mins = self.mins[order] if self.mins is not None else None
         return QuantizedWeight(self.codes[order], self.kind, self.scales[order], mins, self.group)
 
+    def select_columns(self, start: int, width: int) -> QuantizedWeight:
+        """Inputs ``start .. start + width - 1`` (whole groups) of this weight."""
+        assert start % self.group == 0 and width % self.group == 0, "columns must be whole groups"
+        g0, g1 = start // self.group, (start + width) // self.group
+        mins = self.mins[:, g0:g1].contiguous() if self.mins is not None else None
+        codes = self.codes[:, start : start + width].contiguous()
+        return QuantizedWeight(codes, self.kind, self.scales[:, g0:g1].contiguous(), mins, self.group)
+
     def nbytes(self) -> int:
         n, k = self.shape
         code_bytes = n * k // 2 if self.kind == KIND_UINT4 else n * k
@@ -326,18 +334,38 @@ def w8a8_kernel_supported() -> bool:
     return hasattr(ops, "w8a8_linear_supported") and bool(ops.w8a8_linear_supported())
 
 
-def quantize_experts(model: nn.Module, method: str, group_size: int | None, use_kernel: bool) -> int:
+def quantize_experts(
+    model: nn.Module,
+    method: str,
+    group_size: int | None,
+    use_kernel: bool,
+    given: dict[str, QuantizedWeight] | None = None,
+) -> int:
     """Every ``FusedMoE``'s experts to ``method``'s codes, each expert's gate/up and down weights
     quantized on their own as a linear layer's would be (``w8a8``: int8 weight-only codes, the
-    activations staying bf16). Where the fused op runs (``use_kernel``, axon's quantized kernel on
-    this CPU) the block keeps only the codes and runs ``fused_moe_quant``; elsewhere its weights
-    are replaced by the dequantized codes (the same numbers, on the loop). Returns how many blocks."""
+    activations staying bf16). ``given`` (gguf): HF weight name -> a GGUF file's blocks
+    (``...mlp.experts.{e}.gate_proj.weight``, ...): a block keeps its experts' blocks as they are
+    where it has every one and its share of them is whole groups, else stays as loaded.
+
+    Where the fused op runs (``use_kernel``, axon's quantized kernel on this CPU) the block keeps
+    only the codes and runs ``fused_moe_quant``; elsewhere its weights are replaced by the
+    dequantized codes (the same numbers, on the loop; a GGUF block already holds them). Returns
+    how many blocks hold codes or their values."""
     form = "int8" if method == "w8a8" else method
-    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    for block in blocks:
-        with torch.no_grad():
-            w13 = [quantize_weight(w, form, group_size) for w in block.w13_weight.detach()]
-            w2 = [quantize_weight(w, form, group_size) for w in block.w2_weight.detach()]
+    count = 0
+    for name, block in model.named_modules():
+        if not isinstance(block, FusedMoE):
+            continue
+        if given is not None:
+            pair = _gguf_experts(name, block, given)
+            if pair is None:
+                continue
+            w13, w2 = pair
+        else:
+            with torch.no_grad():
+                w13 = [quantize_weight(w, form, group_size) for w in block.w13_weight.detach()]
+                w2 = [quantize_weight(w, form, group_size) for w in block.w2_weight.detach()]
+        count += 1
         groups = (w13[0].group, w2[0].group)
         if use_kernel and all(g % 16 == 0 for g in groups) and quant_kernel_supported():
             tensors = [[kernel_tensors(q, allow_half=False) for q in w] for w in (w13, w2)]
@@ -348,14 +376,40 @@ def quantize_experts(model: nn.Module, method: str, group_size: int | None, use_
                 ]
                 for per_expert in tensors
             ]
-            block.use_quantized(
-                w13[0].kind, groups, stacked[0], stacked[1], sum(q.nbytes() for q in w13 + w2)
-            )
-        else:
+            kinds = (w13[0].kind, w2[0].kind)
+            block.use_quantized(kinds, groups, stacked[0], stacked[1], sum(q.nbytes() for q in w13 + w2))
+        elif given is None:
             with torch.no_grad():
                 block.w13_weight.copy_(torch.stack([q.dequantize() for q in w13]))
                 block.w2_weight.copy_(torch.stack([q.dequantize() for q in w2]))
-    return len(blocks)
+    return count
+
+
+def _gguf_experts(
+    name: str, block: FusedMoE, given: dict[str, QuantizedWeight]
+) -> tuple[list[QuantizedWeight], list[QuantizedWeight]] | None:
+    """This rank's experts of the block at module ``name`` from a GGUF file's blocks: each
+    expert's gate and up rows (its share of the width) merged, and its down weight's columns of
+    that share; None where an expert is missing or the share splits a group of inputs."""
+    prefix = name.removesuffix(".experts")
+    first, width = block.intermediate_start, block.intermediate_size
+    rows = torch.arange(first, first + width)
+    w13, w2 = [], []
+    for e in range(block.first_expert, block.first_expert + block.num_local_experts):
+        parts = [given.get(f"{prefix}.experts.{e}.{p}_proj.weight") for p in ("gate", "up", "down")]
+        if any(p is None for p in parts):
+            return None
+        gate, up, down = parts
+        if first % down.group or width % down.group:
+            return None
+        w13.append(concat_rows([gate.permute_rows(rows), up.permute_rows(rows)]))
+        w2.append(down.select_columns(first, width))
+    if (
+        len({(q.kind, q.group, q.mins is None) for q in w13}) > 1
+        or len({(q.kind, q.group, q.mins is None) for q in w2}) > 1
+    ):
+        return None  # the stacked op takes one form per weight
+    return w13, w2
 
 
 def quantize_linears(

@@ -509,7 +509,8 @@ def _write_hf_folder(reader: GGUFReader, path: str, folder: str) -> None:
 
 def quantized_linear_weights(gguf_path: str) -> dict[str, QuantizedWeight]:
     """HF weight name -> that 2-D weight's blocks as a ``QuantizedWeight``, for every tensor of
-    a type kept quantized (``gguf_blocks.KEPT_QUANTIZED``); F32/F16 tensors are left out. q/k rows
+    a type kept quantized (``gguf_blocks.KEPT_QUANTIZED``), stacked experts as one weight per
+    expert (``...mlp.experts.{e}.gate_proj.weight``); F32/F16 tensors are left out. q/k rows
     are un-permuted as the converted folder's are (whole rows: the blocks move as they are)."""
     reader = _open_reader(gguf_path)
     meta = _Metadata(reader, gguf_path)
@@ -519,7 +520,17 @@ def quantized_linear_weights(gguf_path: str) -> dict[str, QuantizedWeight]:
     heads = {".self_attn.q_proj.": "num_attention_heads", ".self_attn.k_proj.": "num_key_value_heads"}
     out: dict[str, QuantizedWeight] = {}
     for hf_name, tensor in _plan_tensors(meta, spec, config, tensors).items():
-        if tensor.tensor_type not in KEPT_QUANTIZED or len(tensor.shape) != 2:
+        if tensor.tensor_type not in KEPT_QUANTIZED:
+            continue
+        if ".mlp.experts." in hf_name and len(tensor.shape) == 3:  # [E, out, in]: one per expert
+            cols, rows, _ = (int(n) for n in tensor.shape.tolist())
+            block, part = hf_name.split(".mlp.experts.")
+            for expert, data in enumerate(tensor.data):
+                out[f"{block}.mlp.experts.{expert}.{part}"] = quantized_weight(
+                    data, tensor.tensor_type, rows, cols
+                )
+            continue
+        if len(tensor.shape) != 2:
             continue
         cols, rows = (int(n) for n in tensor.shape.tolist())  # ggml: ne[0] = columns
         weight = quantized_weight(tensor.data, tensor.tensor_type, rows, cols)

@@ -75,27 +75,35 @@ def load_model(
         else:
             # Under tensor parallelism each rank reads only its slice of each tensor.
             model.load_weights(iterate_safetensors(model_config.model_path, lazy=tp > 1))
+        given = None
         if model_config.quantization is not None:
-            _quantize(model, model_config, use_kernel=linear_backend == "cpu_bf16")
+            given = _quantize(model, model_config, use_kernel=linear_backend == "cpu_bf16")
         if linear_backend != "torch":
             pack_linears(model, linear_backend, linear_batch_hint)
-        _prepare_experts(model, model_config, fused=linear_backend == "cpu_bf16")
+        _prepare_experts(model, model_config, fused=linear_backend == "cpu_bf16", given=given)
         if device.type == "cpu":
             move_to_huge_pages(model)
         return model.eval()
 
 
-def _prepare_experts(model: nn.Module, model_config: ModelConfig, fused: bool) -> None:
+def _prepare_experts(
+    model: nn.Module,
+    model_config: ModelConfig,
+    fused: bool,
+    given: dict[str, QuantizedWeight] | None = None,
+) -> None:
     """Mixture-of-experts blocks on the fused CPU op where the bf16 linear kernel runs (their
-    weights packed for it, or under ``--quantization`` kept as codes for the quantized op), else
-    on the loop over experts; the log says which."""
+    weights packed for it, or under ``--quantization`` kept as codes for the quantized op: a
+    GGUF file's own blocks, ``given``), else on the loop over experts; the log says which."""
     blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if not blocks:
         return
     method = model_config.quantization
-    if method in ("int8", "int4", "fp8", "w8a8"):
+    if method in ("int8", "int4", "fp8", "w8a8", "gguf"):
         with startup_phase(f"quantizing the experts ({method})"):
-            quantize_experts(model, method, model_config.quantization_group_size, use_kernel=fused)
+            quantize_experts(
+                model, method, model_config.quantization_group_size, use_kernel=fused, given=given
+            )
     if fused:
         for block in blocks:
             if block.method == "loop":
@@ -116,6 +124,8 @@ def _prepare_experts(model: nn.Module, model_config: ModelConfig, fused: bool) -
         how += f", {sum(b.weight_bytes for b in blocks) / 2**20:.1f} MiB"
     if method in ("int8", "int4", "fp8", "w8a8") and first.method == "loop":
         how += f" ({method} codes dequantized: no quantized kernel on this path)"
+    if method == "gguf" and first.method != "fused_quant":
+        how += " (the file's experts dequantized)"
     logger.info(
         "%d sparse MoE blocks of %d experts (%d per token)%s: %s",
         len(blocks),
@@ -126,17 +136,22 @@ def _prepare_experts(model: nn.Module, model_config: ModelConfig, fused: bool) -
     )
 
 
-def _quantize(model: nn.Module, model_config: ModelConfig, use_kernel: bool) -> None:
-    """Every linear layer to ``model_config.quantization``'s form (see axon/model/layers/quant.py)."""
+def _quantize(
+    model: nn.Module, model_config: ModelConfig, use_kernel: bool
+) -> dict[str, QuantizedWeight] | None:
+    """Every linear layer to ``model_config.quantization``'s form (see axon/model/layers/quant.py);
+    for ``gguf`` returns the file's quantized weights by HF name (the experts' among them)."""
     method = model_config.quantization
     with startup_phase(f"quantizing the linear layers ({method})"):
-        given = None
+        file_weights, given = None, None
         if method == "gguf":
             assert model_config.gguf_file is not None, "resolve_config() checks that gguf has a GGUF file"
-            given = _gguf_module_weights(model, quantized_linear_weights(model_config.gguf_file))
+            file_weights = quantized_linear_weights(model_config.gguf_file)
+            given = _gguf_module_weights(model, file_weights)
         count = quantize_linears(model, method, model_config.quantization_group_size, use_kernel, given)
         total = sum(m.weight_bytes for m in model.modules() if isinstance(m, (QuantLinear, W8A8Linear)))
         logger.info("quantized %d linear layers to %s: %.1f MiB of weights", count, method, total / 2**20)
+    return file_weights
 
 
 def _gguf_module_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
