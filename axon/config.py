@@ -59,6 +59,9 @@ class ModelConfig:
     """int8 and int4: inputs per scale, a multiple of 16 that divides every layer's inputs; None:
     int4 128 (or the largest power of two under it that divides a layer's inputs), int8 one
     scale per output channel."""
+    limit_mm_per_prompt: dict[str, Any] | None = None
+    """Multimodal models, JSON: the most items of each modality one prompt may hold, {"image": N};
+    None: 8 images."""
     # Resolved by resolve_config(), never set by users:
     gguf_file: str | None = None  # the GGUF file the model came from, if it did
     model_path: str | None = None  # the HF folder actually loaded (a GGUF file is converted once)
@@ -268,6 +271,7 @@ _JSON_OPTIONS = {
     "kv_events_config",
     "additional_config",
     "pooler_config",
+    "limit_mm_per_prompt",
 }
 
 

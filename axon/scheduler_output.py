@@ -28,6 +28,8 @@ class NewRequestData:
     # The KV cache's window group (sliding-window layers; 0 for blocks out of the window); empty
     # without one.
     window_block_ids: list[int] = field(default_factory=list)
+    # A multimodal prompt's images (engine.messages.ImageInput), None: none.
+    images: list[Any] | None = None
 
 
 @dataclass

@@ -174,3 +174,89 @@ def kernel_cache_root() -> str:
     from axon.config import default_cache_root
 
     return default_cache_root()
+
+
+# Qwen's vision tokens, added to SmolLM2's tokenizer for the tiny Qwen3-VL.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+# A ChatML template that writes Qwen's image placeholder for each {"type": "image"} part.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> str:
+    """A tiny random Qwen3-VL (3 decoder layers, a 3-block vision tower with two deepstack
+    layers, patches of 16, an 8 x 8 position table), SmolLM2's tokenizer with Qwen's vision
+    tokens and an image-aware chat template, images resized to 4,096 .. 16,384 pixels."""
+    import json
+
+    import transformers as tf
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    start, end, pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
+                            "mrope_interleaved": True},
+        "tie_word_embeddings": True,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }  # fmt: skip
+    vision = {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1],
+    }
+    config = tf.Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=pad,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = tf.Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05)
+    folder = Path(tmp_path_factory.mktemp("tiny-qwen3-vl"))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "patch_size": 16,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
+            }
+        )
+    )
+    return str(folder)

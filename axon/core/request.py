@@ -95,6 +95,7 @@ class Request:
         block_hasher: Callable[[Request], list[bytes]] | None = None,
         pooling_params: EnginePoolingParams | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        images: list[Any] | None = None,
     ) -> None:
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert (sampling_params is None) != (pooling_params is None), "one of sampling or pooling"
@@ -110,6 +111,7 @@ class Request:
         # prompt's KV for a decode server; do_remote_prefill says where to load it from.
         self.kv_transfer_params = kv_transfer_params
         self.kv_load_failed = False  # a connector's load failed once: never try it again
+        self.images = images  # a multimodal prompt's images (messages.ImageInput), for the worker
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []

@@ -196,8 +196,8 @@ class AsyncLLM:
         if self.errored:
             raise EngineDeadError(self.dead_error or "the engine core is not running")
         request_id = f"{request_id or 'req'}-{next(self._counter)}"
-        text, prompt_token_ids = self.input_processor.tokenize(prompt)
-        children = self.input_processor.process_n(request_id, prompt_token_ids, params)
+        text, prompt_token_ids, images = self.input_processor.tokenize_multimodal(prompt)
+        children = self.input_processor.process_n(request_id, prompt_token_ids, params, images)
         self.output_processor.check_new_ids([c.req_id for c in children])
         frames = [encode(ADD, child) for child in children]
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()

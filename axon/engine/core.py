@@ -97,6 +97,7 @@ class EngineCore:
                 block_hasher=self.block_hasher,
                 pooling_params=request.pooling_params,
                 kv_transfer_params=request.kv_transfer_params,
+                images=request.images,
             )
         )
 

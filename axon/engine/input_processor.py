@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 
 from axon.config import ModelConfig
-from axon.engine.messages import EngineCoreRequest
+from axon.engine.messages import EngineCoreRequest, ImageInput
+from axon.multimodal.prompts import ImagePrompts
 from axon.sampling_params import UINT64_MAX, EngineSamplingParams, SamplingParams
 from axon.structured_output.backend_xgrammar import validate_structured_outputs
 
@@ -28,6 +29,32 @@ class InputProcessor:
         self.vocab_size = int(model_config.hf_config["vocab_size"])
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
+        # A multimodal model's images (None: a text-only model).
+        self.images = ImagePrompts.for_model(
+            model_config.hf_config, model_config.model_path or "", model_config.limit_mm_per_prompt
+        )
+
+    def tokenize_multimodal(
+        self, prompt: PromptType
+    ) -> tuple[str | None, list[int], list[ImageInput] | None]:
+        """``tokenize``, and the images of ``{"multi_modal_data": {"image": ...}}`` (one image or a
+        list: PIL images, bytes or data URLs) with their placeholders expanded in the token ids."""
+        text, token_ids = self.tokenize(prompt)
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            return text, token_ids, None
+        if not isinstance(data, dict):
+            kind = type(data).__name__
+            raise ValueError(f"multi_modal_data must be a dict such as {{'image': ...}}, got {kind}")  # noqa: TRY004
+        if self.images is None:
+            raise ValueError("this model takes no images or other multimodal data (it has no vision tower)")
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data: {unknown} not supported; this model takes 'image'")
+        images = data.get("image")
+        images = [] if images is None else list(images) if isinstance(images, list | tuple) else [images]
+        token_ids, inputs = self.images.expand(token_ids, images)
+        return text, token_ids, inputs or None
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids)."""
@@ -53,7 +80,11 @@ class InputProcessor:
         return list(self.tokenizer.encode(text))
 
     def process_n(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: list[ImageInput] | None = None,
     ) -> list[EngineCoreRequest]:
         """One core request per sample of ``params.n``, all validated before any is returned.
 
@@ -62,12 +93,16 @@ class InputProcessor:
         """
         engine_params = self.engine_params(prompt_token_ids, params)
         kv_transfer_params = _kv_transfer_params(params)
+        if images is not None and kv_transfer_params is not None:
+            raise ValueError("kv_transfer_params cannot carry a prompt's images")
         if params.n == 1:
-            return [self._request(request_id, prompt_token_ids, engine_params, kv_transfer_params)]
+            return [self._request(request_id, prompt_token_ids, engine_params, kv_transfer_params, images)]
         if kv_transfer_params is not None:
             raise ValueError(f"kv_transfer_params needs n=1 (one sequence per transfer), got n={params.n}")
         return [
-            self._request(f"{index}_{request_id}", prompt_token_ids, _child_params(engine_params, index))
+            self._request(
+                f"{index}_{request_id}", prompt_token_ids, _child_params(engine_params, index), images=images
+            )
             for index in range(params.n)
         ]
 
@@ -94,6 +129,7 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: EngineSamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
+        images: list[ImageInput] | None = None,
     ) -> EngineCoreRequest:
         return EngineCoreRequest(
             req_id=req_id,
@@ -101,7 +137,11 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.time(),
+            # The images' digests join the prefix-cache keys (as a salt of the first block, which
+            # every later block's hash chains on): the same text with another image never hits.
+            cache_salt="images:" + ",".join(i.digest for i in images) if images else None,
             kv_transfer_params=kv_transfer_params,
+            images=images,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

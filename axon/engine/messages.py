@@ -11,6 +11,18 @@ from axon.sampling_params import EngineSamplingParams
 from axon.step_outputs import EngineCoreOutput, SchedulerStats
 
 
+class ImageInput(msgspec.Struct, forbid_unknown_fields=True):
+    """One image of a prompt, processed for the model's vision tower (axon/multimodal/image.py):
+    its patches and grid, and where its placeholder tokens start in the (expanded) prompt."""
+
+    pixel_values: bytes  # float32 [num_patches, patch_dim], row-major
+    patch_dim: int
+    grid_thw: tuple[int, int, int]
+    offset: int  # the prompt index of its first placeholder token
+    num_tokens: int  # its placeholder tokens
+    digest: str  # sha256 of its patches and grid (prefix-cache keys)
+
+
 class EngineCoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     """One sample of one request, validated and resolved by the InputProcessor.
 
@@ -30,6 +42,8 @@ class EngineCoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     pooling_params: EnginePoolingParams | None = None
     # Disaggregated serving (vLLM's SamplingParams.extra_args["kv_transfer_params"]).
     kv_transfer_params: dict[str, Any] | None = None
+    # A multimodal model's images, in prompt order (None: none).
+    images: list[ImageInput] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct):

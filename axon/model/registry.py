@@ -19,6 +19,7 @@ from axon.model.models.llama import (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from axon.model.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,
@@ -28,6 +29,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "LlamaModel": as_embedding_model(LlamaForCausalLM),
     "MistralModel": as_embedding_model(MistralForCausalLM),
     "Qwen2Model": as_embedding_model(Qwen2ForCausalLM),

@@ -8,6 +8,7 @@ scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,10 @@ class CachedRequestState:
     pooling_params: EnginePoolingParams | None = None
     # The KV cache's window group (the sliding-window layers' blocks); empty without one.
     window_block_ids: list[int] = field(default_factory=list)
+    # A multimodal prompt's images (engine.messages.ImageInput), and once encoded their features
+    # and positions (worker/multimodal.py: RequestImages).
+    images: list[Any] | None = None
+    encoded_images: Any = None
     token_ids: list[int] = field(init=False)  # prompt + output, kept in step
     # A pooling request's hidden states [n, hidden] of the prompt segments computed so far.
     hidden_parts: list[torch.Tensor] = field(default_factory=list)
@@ -103,6 +108,7 @@ class RequestStates:
             sampling_params=new.sampling_params,
             block_ids=list(new.block_ids),
             window_block_ids=list(new.window_block_ids),
+            images=new.images,
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
             pooling_params=new.pooling_params,

@@ -8,6 +8,9 @@ lives with the runner (debug/ is below model/ and may not import it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -17,9 +20,17 @@ from axon.model.layers.attention import Segment, describe_step
 
 @torch.inference_mode()
 def teacher_forced_logits(
-    model: nn.Module, token_ids: list[int], block_size: int = 16, segment: int | None = None
+    model: nn.Module,
+    token_ids: list[int],
+    block_size: int = 16,
+    segment: int | None = None,
+    positions: torch.Tensor | None = None,
+    extra: Callable[[int, int], dict[str, Any]] | None = None,
 ) -> torch.Tensor:
-    """[len(token_ids), vocab] float32 logits; ``segment`` splits the prefill into chunks."""
+    """[len(token_ids), vocab] float32 logits; ``segment`` splits the prefill into chunks.
+    ``positions``: the sequence's positions ([L], or [3, L] for M-RoPE; default 0 .. L - 1);
+    ``extra(start, end)``: more keyword arguments of the forward over tokens start .. end - 1
+    (a multimodal model's image features)."""
     layers = model.attention_layers()
     arch = model.arch
     param = next(model.parameters())
@@ -41,11 +52,13 @@ def teacher_forced_logits(
     try:
         for start in range(0, len(token_ids), step):
             end = min(start + step, len(token_ids))
-            positions = torch.arange(start, end, device=param.device)
+            step_positions = (
+                torch.arange(start, end, device=param.device) if positions is None else positions[..., start:end]
+            )
             metadata = describe_step([Segment(block_ids, start, end)], block_size, param.device)
             ids = torch.tensor(token_ids[start:end], device=param.device)
             with set_forward_context(metadata, layers):
-                hidden = model(ids, positions)
+                hidden = model(ids, step_positions, **(extra(start, end) if extra is not None else {}))
             out.append(model.compute_logits(hidden).float())
     finally:
         for layer, (idx, kv) in zip(layers, saved, strict=True):

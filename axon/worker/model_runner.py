@@ -19,6 +19,7 @@ from torch import nn
 from axon.distributed.parallel_state import get_tp_group
 from axon.forward_context import set_forward_context
 from axon.model.layers.attention import CommonAttentionMetadata, Segment, describe_step
+from axon.model.models.qwen3_vl import ImageRows
 from axon.model.pooler import finish_embedding, pool
 from axon.sample.grammar import GrammarBitmask
 from axon.sample.logprobs import compute_logprobs, to_lists
@@ -30,6 +31,7 @@ from axon.spec_decode.proposer import DraftBatch, DraftRequest, Proposer
 from axon.worker.buckets import Buckets, bucket_name
 from axon.worker.compiler import BucketCompiler
 from axon.worker.input_batch import CachedRequestState, RequestStates
+from axon.worker.multimodal import encode_request_images, step_images
 
 
 @dataclass
@@ -49,6 +51,8 @@ class StepInputs:
     # Attention data parallelism: this rank's requests alone, and their rows of the step.
     attention: CommonAttentionMetadata | None = None
     attention_rows: torch.Tensor | None = None
+    # A multimodal step's image tokens (their features; positions are then [3, T]).
+    images: ImageRows | None = None
 
 
 class ModelRunner:
@@ -163,6 +167,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         drafts: list[list[int]] = []
         is_decode = True  # every request computes its last known token and its drafts only
+        image_parts = []  # (a request's images, start, end, its first row)
         for i, req_id in enumerate(req_ids):
             state = self.requests[req_id]
             start = state.num_computed_tokens
@@ -171,8 +176,14 @@ class ModelRunner:
             known_end = end - len(spec)
             assert known_end <= state.num_tokens, f"{req_id}: scheduled past its known tokens"
             assert not spec or known_end == state.num_tokens, f"{req_id}: drafts after a partial prefill"
+            if state.images is not None:
+                if state.encoded_images is None:
+                    state.encoded_images = encode_request_images(self.model, state.prompt_token_ids, state.images)
+                image_parts.append((state.encoded_images, start, end, len(token_ids)))
+                positions += [state.encoded_images.position(p) for p in range(start, end)]
+            else:
+                positions += range(start, end)
             token_ids += state.token_ids[start:known_end] + spec
-            positions += range(start, end)
             segments.append(Segment(state.block_ids, start, end, state.window_block_ids))
             is_decode = is_decode and end - start == len(spec) + 1
             if known_end == state.num_tokens and state.pooling_params is None:
@@ -180,8 +191,9 @@ class ModelRunner:
                 logits_indices += range(len(token_ids) - len(spec) - 1, len(token_ids))
                 drafts.append(spec)
         num_tokens = len(token_ids)
+        images = step_images(image_parts, self.device) if image_parts else None
         graph, padded, block_cols = None, num_tokens, None
-        if self.buckets is not None and self.compiler is not None:
+        if self.buckets is not None and self.compiler is not None and images is None:
             target = self.buckets.pad_tokens(num_tokens, is_decode)
             graph = self.compiler.graph_for(target)
             if graph is not None:
@@ -204,10 +216,17 @@ class ModelRunner:
             attention = describe_step([segments[i] for i in mine], self.block_size, dev)
             rows = [t for i in mine for t in range(loc[i], loc[i + 1])]
             attention_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+        step_positions = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if images is not None:  # M-RoPE: an image token's three positions differ
+            image_rows, segment_positions = images
+            step_positions = step_positions.expand(3, -1).clone()
+            for row0, pos in segment_positions:
+                step_positions[:, row0 : row0 + pos.shape[1]] = pos.to(dev)
+            images = image_rows
         return StepInputs(
             req_ids=req_ids,
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            positions=step_positions,
             attn_metadata=metadata,
             sample_req_idx=sample_req_idx,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
@@ -216,6 +235,7 @@ class ModelRunner:
             graph=graph,
             attention=attention,
             attention_rows=attention_rows,
+            images=images,
         )
 
     def run_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -223,7 +243,10 @@ class ModelRunner:
         auxiliary hidden states an EAGLE3 head reads (None unless the target returns them)."""
         step = inputs.attn_metadata if inputs.attention is None else inputs.attention
         with set_forward_context(step, self.attention_layers, inputs.attention_rows):
-            out = (inputs.graph or self.model)(inputs.input_ids, inputs.positions)
+            if inputs.images is not None:  # eager: a step with image features
+                out = self.model(inputs.input_ids, inputs.positions, images=inputs.images)
+            else:
+                out = (inputs.graph or self.model)(inputs.input_ids, inputs.positions)
         return out if isinstance(out, tuple) else (out, None)
 
     def sample(

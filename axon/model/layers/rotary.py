@@ -134,3 +134,48 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (M-RoPE, Qwen2-VL to Qwen3-VL): a token has three positions
+    (temporal, height, width), and each rotary frequency takes one of them. With
+    ``mrope_section`` [t, h, w] and ``interleaved`` (Qwen3-VL) frequency i takes the height
+    position when i % 3 == 1 and i < 3h, the width position when i % 3 == 2 and i < 3w, else the
+    temporal one; not interleaved (Qwen2-VL), the first t frequencies take t, the next h take h,
+    the last w take w. A text token's three positions are equal, so ``positions`` [T] (every token
+    text) is plain rotary; [3, T] rotates the image tokens of a prefill by their grid."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any],
+        mrope_section: list[int],
+        interleaved: bool,
+    ) -> None:
+        super().__init__(head_dim, max_position, theta, scaling)
+        half = head_dim // 2
+        if sum(mrope_section) != half:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_dim / 2 = {half}")
+        t, h, w = mrope_section
+        if interleaved:
+            rows = [1 if i % 3 == 1 and i < 3 * h else 2 if i % 3 == 2 and i < 3 * w else 0 for i in range(half)]
+        else:
+            rows = [0] * t + [1] * h + [2] * w
+        # Which of the three positions each of the head's dims rotates by (a tuple: no tensor
+        # is built on the meta device with the model).
+        self.section_rows = tuple(rows + rows)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T] or [3, T]; q [T, H, D]; k [T, KVH, D]
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        dims = torch.arange(self.head_dim, device=positions.device)
+        rows = torch.tensor(self.section_rows, device=positions.device)
+        table_pos = positions[rows].T  # [T, D]: the position each dim rotates by
+        cos = self.cos_cached[table_pos, dims].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin_cached[table_pos, dims].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -25,7 +25,17 @@ def load_hf_config(folder: str) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds a JSON {type(config).__name__}, expected an object")  # noqa: TRY004
-    return config
+    return with_text_config(config)
+
+
+def with_text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal model's config (Qwen3-VL: the decoder's keys under ``text_config``) with the
+    decoder's keys at the top too, where every part of the engine reads a model's (vocab_size,
+    max_position_embeddings, ...); the top level's own keys win. Other configs are unchanged."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    return {**text, **config}
 
 
 class LazyTensor:
