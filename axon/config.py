@@ -59,6 +59,9 @@ class ModelConfig:
     """int8 and int4: inputs per scale, a multiple of 16 that divides every layer's inputs; None:
     int4 128 (or the largest power of two under it that divides a layer's inputs), int8 one
     scale per output channel."""
+    allowed_local_media_path: str | None = None
+    """Multimodal models: the folder whose files file:// image URLs may read (vLLM's flag);
+    None: no local files."""
     limit_mm_per_prompt: dict[str, Any] | None = None
     """Multimodal models, JSON: the most items of each modality one prompt may hold, {"image": N};
     None: 8 images."""

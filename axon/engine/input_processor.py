@@ -31,7 +31,10 @@ class InputProcessor:
         self.eos_token_id = tokenizer.eos_token_id
         # A multimodal model's images (None: a text-only model).
         self.images = ImagePrompts.for_model(
-            model_config.hf_config, model_config.model_path or "", model_config.limit_mm_per_prompt
+            model_config.hf_config,
+            model_config.model_path or "",
+            model_config.limit_mm_per_prompt,
+            model_config.allowed_local_media_path,
         )
 
     def tokenize_multimodal(
@@ -40,6 +43,9 @@ class InputProcessor:
         """``tokenize``, and the images of ``{"multi_modal_data": {"image": ...}}`` (one image or a
         list: PIL images, bytes or data URLs) with their placeholders expanded in the token ids."""
         text, token_ids = self.tokenize(prompt)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_inputs"):
+            # Already processed (the server expands a chat's images before it checks lengths).
+            return text, token_ids, list(prompt["multi_modal_inputs"])
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if data is None:
             return text, token_ids, None

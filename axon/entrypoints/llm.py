@@ -15,6 +15,7 @@ from axon.engine.llm_engine import LLMEngine
 from axon.engine.output_processor import AnyRequestOutput
 from axon.engine.pooling_inputs import score_outputs, score_pairs
 from axon.engine.tokenizer import render_chat
+from axon.multimodal.prompts import split_chat_images
 from axon.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from axon.pooling_params import PoolingParams
 from axon.sampling_params import SamplingParams
@@ -109,14 +110,15 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts: list[PromptType] = [
-            {
-                "prompt_token_ids": self.apply_chat_template(
-                    conv, chat_template, add_generation_prompt, chat_template_kwargs
-                )
-            }
-            for conv in conversations
-        ]
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            # Image parts ({"type": "image_url", ...} or {"type": "image", "image": ...}) go to
+            # the template as {"type": "image"}, the images beside the prompt.
+            conv, images = split_chat_images(list(conv))
+            ids = self.apply_chat_template(conv, chat_template, add_generation_prompt, chat_template_kwargs)
+            prompts.append(
+                {"prompt_token_ids": ids, **({"multi_modal_data": {"image": images}} if images else {})}
+            )
         params = _params_per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         return self._run(prompts, params, use_tqdm)
 

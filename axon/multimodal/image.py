@@ -25,6 +25,9 @@ import io
 import json
 import math
 import os
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,27 +130,27 @@ def process_image(image: Image.Image, config: ImageProcessorConfig) -> Processed
     return ProcessedImage(flat, (1, grid_h, grid_w), m)
 
 
-# What an image may arrive as: a PIL image, raw bytes, a data URL or base64 text.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
-def load_image(source: Any) -> Image.Image:
-    """A PIL image from a PIL image, bytes or a ``data:image/...;base64,`` URL. A ValueError names
-    what is wrong (not an image, undecodable, too many pixels)."""
+# Fetching an http(s) image URL (vLLM's VLLM_IMAGE_FETCH_TIMEOUT, in seconds) and its largest size.
+FETCH_TIMEOUT_S = float(
+    os.environ.get("AXON_IMAGE_FETCH_TIMEOUT", os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
+)
+MAX_IMAGE_BYTES = 32 * 1024 * 1024
+
+
+def load_image(source: Any, allowed_local_media_path: str | None = None) -> Image.Image:
+    """A PIL image from a PIL image, bytes, a ``data:image/...;base64,`` URL, an ``http(s)`` URL
+    (fetched within ``FETCH_TIMEOUT_S``, at most ``MAX_IMAGE_BYTES``) or a ``file://`` URL under
+    ``allowed_local_media_path``. A ValueError names what is wrong."""
     if isinstance(source, Image.Image):
         return source
     if isinstance(source, str):
-        if not source.startswith("data:"):
-            raise ValueError("an image URL must be a data URL (data:image/...;base64,...)")
-        header, _, payload = source.partition(",")
-        if ";base64" not in header:
-            raise ValueError("an image data URL must be base64-encoded (data:image/...;base64,...)")
-        try:
-            source = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("the image data URL's base64 payload does not decode") from None
+        source = _url_bytes(source, allowed_local_media_path)
     if not isinstance(source, (bytes, bytearray)):
-        raise ValueError(f"an image must be a PIL image, bytes or a data URL, got {type(source).__name__}")  # noqa: TRY004 (a 400)
+        kind = type(source).__name__
+        raise ValueError(f"an image must be a PIL image, bytes or a URL, got {kind}")  # noqa: TRY004 (a 400)
     try:
         image = Image.open(io.BytesIO(source))
         if image.width * image.height > MAX_IMAGE_PIXELS:
@@ -158,3 +161,45 @@ def load_image(source: Any) -> Image.Image:
     except (OSError, Image.DecompressionBombError, SyntaxError) as e:
         raise ValueError(f"the image cannot be decoded: {e}") from None
     return image
+
+
+def _url_bytes(url: str, allowed_local_media_path: str | None) -> bytes:
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        if ";base64" not in header:
+            raise ValueError("an image data URL must be base64-encoded (data:image/...;base64,...)")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("the image data URL's base64 payload does not decode") from None
+    if url.startswith(("http://", "https://")):
+        return _fetch(url)
+    if url.startswith("file://"):
+        if allowed_local_media_path is None:
+            raise ValueError("file:// image URLs need --allowed-local-media-path (the folder they may read)")
+        root = os.path.realpath(allowed_local_media_path)
+        path = os.path.realpath(urllib.parse.unquote(url[len("file://") :]))
+        if os.path.commonpath([root, path]) != root:
+            raise ValueError(
+                f"the image file is outside --allowed-local-media-path {allowed_local_media_path}"
+            )
+        try:
+            with open(path, "rb") as f:
+                return f.read(MAX_IMAGE_BYTES + 1)
+        except OSError as e:
+            raise ValueError(f"the image file cannot be read: {e.strerror}") from None
+    raise ValueError(f"an image URL must be a data:, http(s):// or file:// URL, got {url[:40]!r}")
+
+
+def _fetch(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except (urllib.error.URLError, TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ValueError(
+            f"the image URL could not be fetched within {FETCH_TIMEOUT_S:g} s: {reason}"
+        ) from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"the image at the URL is larger than {MAX_IMAGE_BYTES} bytes")
+    return data

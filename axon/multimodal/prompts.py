@@ -23,10 +23,14 @@ class ImagePrompts:
     image_token_id: int
     processor: ImageProcessorConfig
     limit: int  # images per prompt
+    allowed_local_media_path: str | None = None  # file:// image URLs may read under it
 
     @staticmethod
     def for_model(
-        hf_config: dict[str, Any], model_path: str, limit_mm_per_prompt: dict[str, Any] | None
+        hf_config: dict[str, Any],
+        model_path: str,
+        limit_mm_per_prompt: dict[str, Any] | None,
+        allowed_local_media_path: str | None = None,
     ) -> ImagePrompts | None:
         """The model's image handling, or None for a model without a vision tower."""
         if "vision_config" not in hf_config or "image_token_id" not in hf_config:
@@ -39,7 +43,10 @@ class ImagePrompts:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ValueError(f"limit_mm_per_prompt['image'] must be a non-negative integer, got {limit!r}")
         return ImagePrompts(
-            int(hf_config["image_token_id"]), ImageProcessorConfig.from_folder(model_path), limit
+            int(hf_config["image_token_id"]),
+            ImageProcessorConfig.from_folder(model_path),
+            limit,
+            allowed_local_media_path,
         )
 
     def expand(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
@@ -59,7 +66,7 @@ class ImagePrompts:
         inputs: list[ImageInput] = []
         previous = 0
         for place, source in zip(places, images, strict=True):
-            processed = process_image(load_image(source), self.processor)
+            processed = process_image(load_image(source, self.allowed_local_media_path), self.processor)
             out += token_ids[previous:place]
             pixels = processed.pixel_values.tobytes()
             digest = hashlib.sha256(pixels + repr(processed.grid_thw).encode()).hexdigest()
@@ -77,3 +84,34 @@ class ImagePrompts:
             previous = place + 1
         out += token_ids[previous:]
         return out, inputs
+
+
+def split_chat_images(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages whose content parts may be images (OpenAI's ``{"type": "image_url",
+    "image_url": {"url": ...}}``, or ``{"type": "image", "image": ...}`` with a PIL image, bytes or
+    URL) -> (the messages with each image part as ``{"type": "image"}``, as chat templates expect,
+    the images in order)."""
+    images: list[Any] = []
+    out = []
+    for index, message in enumerate(conversation):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError(f"messages[{index}]: an image_url part needs image_url.url")
+                images.append(url)
+                parts.append({"type": "image"})
+            elif kind == "image":
+                images.append(part.get("image"))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images

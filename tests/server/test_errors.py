@@ -47,6 +47,9 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
 
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# A 1 x 1 PNG.
+TINY_PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
+
 BAD_REQUESTS = [
     # (path, json body, status, param or None)
     (CHAT, {"messages": USER, "temperature": "hot"}, 400, "temperature"),
@@ -60,7 +63,8 @@ BAD_REQUESTS = [
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 30}, 400, None),
     (
         CHAT,
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        # An image for a text-only model (the bundled SmolLM2): "this model takes no images".
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": TINY_PNG}}]}]},
         400,
         "messages",
     ),

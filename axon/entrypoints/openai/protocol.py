@@ -124,9 +124,15 @@ class SamplingFields(RequestModel):
 
 
 # ---- chat ------------------------------------------------------------------------------------
+class ImageURL(RequestModel):
+    url: str
+    detail: str | None = None  # accepted, as OpenAI's; the processor decides the resolution
+
+
 class ChatContentPart(RequestModel):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None  # type "image_url": a data:, http(s):// or file:// URL
 
 
 class ChatMessage(RequestModel):

@@ -51,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_unsupported(request)
         _check_chat_unsupported(request)
         plan = plan_tools(request, self.ctx.enable_auto_tool_choice, self.ctx.tool_call_parser)
-        _, prompt_token_ids = await self.render_chat(
+        _, prompt_token_ids, image_urls = await self.render_chat(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
@@ -60,7 +60,12 @@ class OpenAIServingChat(OpenAIServing):
             request.add_special_tokens,
         )
         if request.truncate_prompt_tokens is not None:
+            if image_urls:
+                raise bad_request(
+                    "truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens"
+                )
             prompt_token_ids = prompt_token_ids[-request.truncate_prompt_tokens :]
+        prompt_token_ids, images = await self.expand_images(prompt_token_ids, image_urls)
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_length(len(prompt_token_ids), max_tokens, "messages")
         params = self.sampling_params(request, max_tokens, _num_logprobs(request))
@@ -74,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
         ticket = self.ctx.admission.admit(params.n)
         try:
             stream = self.open_stream(
-                request_id, [prompt_token_ids], params, None if request.stream else raw_request
+                request_id, [prompt_token_ids], params, None if request.stream else raw_request, images
             )
         except Exception:
             ticket.release()

@@ -28,6 +28,7 @@ from axon.entrypoints.openai.errors import bad_request, model_not_found, unavail
 from axon.entrypoints.openai.protocol import ChatMessage, SamplingFields, UsageInfo
 from axon.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from axon.entrypoints.openai.tool_choice import tool_message_fields
+from axon.multimodal.prompts import split_chat_images
 from axon.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from axon.sampling_params import RequestOutputKind, SamplingParams
 
@@ -221,12 +222,13 @@ class OpenAIServing:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
-    ) -> tuple[str, list[int]]:
-        """Chat messages -> (prompt text, token ids) through the chat template, off the loop."""
+    ) -> tuple[str, list[int], list[Any]]:
+        """Chat messages -> (prompt text, token ids, image URLs) through the chat template, off the
+        loop. Image parts reach the template as ``{"type": "image"}``, their URLs come back."""
         self.check_request_chat_template(chat_template)
-        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        conversation, images = split_chat_images([_message_dict(m, i) for i, m in enumerate(messages)])
         # Messages already too long need no rendering; the rendered text is checked again.
-        self.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+        self.check_prompt_chars(sum(_text_chars(m["content"]) for m in conversation), "messages")
         try:
             text, token_ids = await self.off_loop(
                 functools.partial(
@@ -246,7 +248,22 @@ class OpenAIServing:
             raise
         except ValueError as e:
             raise bad_request(str(e), param="messages") from e
-        return text, token_ids
+        return text, token_ids, images
+
+    async def expand_images(
+        self, token_ids: list[int], images: list[Any]
+    ) -> tuple[list[int], list[Any] | None]:
+        """A rendered chat's prompt with its images' placeholders expanded, and the processed
+        images (fetched, decoded and cut into patches off the loop); a bad image is a 400."""
+        if not images:
+            return token_ids, None
+        prompts = self.engine.input_processor.images
+        if prompts is None:
+            raise bad_request("this model takes no images (it has no vision tower)", param="messages")
+        try:
+            return await self.off_loop(prompts.expand, token_ids, images)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from e
 
     def sampling_params(
         self, request: SamplingFields, max_tokens: int | None, logprobs: int | None
@@ -326,10 +343,13 @@ class OpenAIServing:
         prompts: list[list[int]],
         params: SamplingParams,
         raw_request: Request | None,
+        images: list[Any] | None = None,
     ) -> OutputStream:
+        """``images``: a chat prompt's processed images (``expand_images``)."""
+        extra = {"multi_modal_inputs": images} if images else {}
         generators = [
             self.engine.generate(
-                {"prompt_token_ids": ids},
+                {"prompt_token_ids": ids, **extra},
                 params,
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 RequestOutputKind.DELTA,
@@ -429,23 +449,35 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
 
 
 def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as the chat template reads it: text parts joined into one string, or with image
+    parts a list of ``{"type": "text", ...}`` and ``{"type": "image_url", ...}`` parts."""
     content = message.content
     if isinstance(content, list):
-        texts = []
+        texts, parts = [], []
         for part in content:
+            if part.type == "image_url" and part.image_url is not None:
+                parts.append({"type": "image_url", "image_url": {"url": part.image_url.url}})
+                continue
             if part.type != "text" or part.text is None:
                 raise bad_request(
                     f"messages[{index}]: content part type {part.type!r} is not supported "
-                    "(only {'type': 'text', 'text': ...})",
+                    "(only {'type': 'text', 'text': ...} and {'type': 'image_url', 'image_url': {'url': ...}})",
                     param="messages",
                 )
             texts.append(part.text)
-        content = "\n".join(texts)
+            parts.append({"type": "text", "text": part.text})
+        content = parts if len(parts) > len(texts) else "\n".join(texts)
     out: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
     if message.name is not None:
         out["name"] = message.name
     out.update(tool_message_fields(message))
     return out
+
+
+def _text_chars(content: str | list[dict[str, Any]]) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text") or "") for part in content)
 
 
 def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

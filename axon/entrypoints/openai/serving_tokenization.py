@@ -17,7 +17,7 @@ class OpenAIServingTokenization(OpenAIServing):
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            _, token_ids = await self.render_chat(
+            _, token_ids, _ = await self.render_chat(
                 request.messages,
                 request.add_generation_prompt,
                 request.continue_final_message,
