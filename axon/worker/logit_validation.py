@@ -53,7 +53,9 @@ def teacher_forced_logits(
         for start in range(0, len(token_ids), step):
             end = min(start + step, len(token_ids))
             step_positions = (
-                torch.arange(start, end, device=param.device) if positions is None else positions[..., start:end]
+                torch.arange(start, end, device=param.device)
+                if positions is None
+                else positions[..., start:end]
             )
             metadata = describe_step([Segment(block_ids, start, end)], block_size, param.device)
             ids = torch.tensor(token_ids[start:end], device=param.device)

@@ -31,7 +31,7 @@ from axon.spec_decode.proposer import DraftBatch, DraftRequest, Proposer
 from axon.worker.buckets import Buckets, bucket_name
 from axon.worker.compiler import BucketCompiler
 from axon.worker.input_batch import CachedRequestState, RequestStates
-from axon.worker.multimodal import encode_request_images, step_images
+from axon.worker.multimodal import EncoderCache, encode_request_images, step_images
 
 
 @dataclass
@@ -82,6 +82,7 @@ class ModelRunner:
         self.requests = RequestStates(device, group.size if group.attention_dp else 1)
         self.sampler = Sampler()
         self.proposer = proposer  # speculative decoding: drafts after each step (None: off)
+        self.encoder_cache = EncoderCache()  # a multimodal model's vision features by image
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -178,7 +179,9 @@ class ModelRunner:
             assert not spec or known_end == state.num_tokens, f"{req_id}: drafts after a partial prefill"
             if state.images is not None:
                 if state.encoded_images is None:
-                    state.encoded_images = encode_request_images(self.model, state.prompt_token_ids, state.images)
+                    state.encoded_images = encode_request_images(
+                        self.model, state.prompt_token_ids, state.images, self.encoder_cache
+                    )
                 image_parts.append((state.encoded_images, start, end, len(token_ids)))
                 positions += [state.encoded_images.position(p) for p in range(start, end)]
             else:

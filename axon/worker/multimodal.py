@@ -5,11 +5,13 @@ The vision tower's features replace the image placeholders' embeddings, and a pr
 images takes M-RoPE positions ([3, T]: an image token's (t, h, w) grid position): text tokens'
 three positions are equal, so a step without image tokens keeps plain positions (shifted by
 the request's delta once past the prompt) and may run in a compiled graph; a step with image
-tokens runs eagerly.
+tokens runs eagerly. Features are kept by image digest (``EncoderCache``), so an image that
+returns is not encoded again.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,21 +41,68 @@ class RequestImages:
         return torch.arange(lo, hi)
 
 
-def encode_request_images(model: nn.Module, prompt_token_ids: list[int], images: list[Any]) -> RequestImages:
-    """Run the vision tower over a request's images (engine.messages.ImageInput, in order)."""
+class EncoderCache:
+    """Vision features by image digest, so an image that returns (the same picture in another
+    request or turn) is not encoded again: least recently used first out once they hold more
+    than ``max_tokens`` image tokens (vLLM's encoder cache, on the worker's device)."""
+
+    def __init__(self, max_tokens: int = 4096) -> None:
+        self.max_tokens = max_tokens
+        self.entries: OrderedDict[str, tuple[torch.Tensor, list[torch.Tensor]]] = OrderedDict()
+        self.num_tokens = 0
+        self.hits = self.misses = 0
+
+    def get(self, digest: str) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        entry = self.entries.get(digest)
+        if entry is not None:
+            self.entries.move_to_end(digest)
+        return entry
+
+    def put(self, digest: str, embeds: torch.Tensor, deepstack: list[torch.Tensor]) -> None:
+        if digest in self.entries or embeds.shape[0] > self.max_tokens:
+            return
+        self.entries[digest] = (embeds, deepstack)
+        self.num_tokens += embeds.shape[0]
+        while self.num_tokens > self.max_tokens:
+            _, (old, _) = self.entries.popitem(last=False)
+            self.num_tokens -= old.shape[0]
+
+
+def encode_request_images(
+    model: nn.Module, prompt_token_ids: list[int], images: list[Any], cache: EncoderCache | None = None
+) -> RequestImages:
+    """A request's images (engine.messages.ImageInput, in order) through the vision tower, those
+    the cache holds taken from it, the others encoded together in one call."""
     param = next(model.parameters())
-    pixels = torch.cat(
-        [
-            torch.frombuffer(bytearray(i.pixel_values), dtype=torch.float32).view(-1, i.patch_dim)
-            for i in images
-        ]
-    ).to(param.device)
-    grids = [tuple(i.grid_thw) for i in images]
-    out = model.encode_images(pixels, grids)
+    found = {i.digest: cache.get(i.digest) for i in images} if cache is not None else {}
+    todo = [i for i in images if found.get(i.digest) is None]
+    if todo:
+        pixels = torch.cat(
+            [
+                torch.frombuffer(bytearray(i.pixel_values), dtype=torch.float32).view(-1, i.patch_dim)
+                for i in todo
+            ]
+        ).to(param.device)
+        out = model.encode_images(pixels, [tuple(i.grid_thw) for i in todo])
+        start = 0
+        for image in todo:
+            end = start + image.num_tokens
+            found[image.digest] = (out.embeds[start:end], [d[start:end] for d in out.deepstack])
+            if cache is not None:
+                cache.put(image.digest, *found[image.digest])
+            start = end
+    if cache is not None:
+        cache.misses += len(todo)
+        cache.hits += len(images) - len(todo)
+    embeds = torch.cat([found[i.digest][0] for i in images])
+    deepstack = [
+        torch.cat([found[i.digest][1][k] for i in images]) for k in range(len(found[images[0].digest][1]))
+    ]
     token_rows = torch.cat([torch.arange(i.offset, i.offset + i.num_tokens) for i in images])
-    assert token_rows.numel() == out.embeds.shape[0], "the images' tokens and features differ in number"
+    assert token_rows.numel() == embeds.shape[0], "the images' tokens and features differ in number"
+    grids = [tuple(i.grid_thw) for i in images]
     positions, delta = mrope_positions(prompt_token_ids, grids, model.image_token_id, model.merge)
-    return RequestImages(token_rows, out.embeds, out.deepstack, positions, delta, len(prompt_token_ids))
+    return RequestImages(token_rows, embeds, deepstack, positions, delta, len(prompt_token_ids))
 
 
 def step_images(

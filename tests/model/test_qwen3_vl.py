@@ -205,3 +205,41 @@ def test_a_text_only_model_refuses_images(tiny_model_dir) -> None:
         llm.generate(
             [{"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": IMAGES[0]}}], use_tqdm=False
         )
+
+
+def test_an_image_that_returns_is_not_encoded_again_and_changes_nothing(qwen3_vl_dir: str) -> None:
+    """The encoder cache: the second request with the same image (other text, so no prefix-cache
+    hit) takes the image's features from the cache and answers what a fresh engine answers."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    second = {
+        "prompt": "Again <|vision_start|><|image_pad|><|vision_end|>?",
+        "multi_modal_data": {"image": IMAGES[0]},
+    }
+    llm = LLM(model=qwen3_vl_dir, dtype="float32", max_model_len=256, block_size=4)
+    cache = llm.llm_engine.engine_core.executor.worker.runner.encoder_cache
+    first = {
+        "prompt": "See <|vision_start|><|image_pad|><|vision_end|>.",
+        "multi_modal_data": {"image": IMAGES[0]},
+    }
+    llm.generate([first], params, use_tqdm=False)
+    assert (cache.hits, cache.misses) == (0, 1)
+    cached = llm.generate([second], params, use_tqdm=False)[0]
+    assert (cache.hits, cache.misses) == (1, 1) and cached.num_cached_tokens == 0
+    fresh = LLM(model=qwen3_vl_dir, dtype="float32", max_model_len=256, block_size=4)
+    assert (
+        cached.outputs[0].token_ids
+        == fresh.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids
+    )
+
+
+def test_the_encoder_cache_evicts_the_least_recently_used_past_its_budget() -> None:
+    from axon.worker.multimodal import EncoderCache
+
+    cache = EncoderCache(max_tokens=10)
+    for name, n in (("a", 4), ("b", 4)):
+        cache.put(name, torch.zeros(n, 2), [])
+    assert cache.get("a") is not None  # a is now the most recent
+    cache.put("c", torch.zeros(4, 2), [])  # 12 tokens: b goes
+    assert cache.get("b") is None and cache.get("a") is not None and cache.num_tokens == 8
+    cache.put("huge", torch.zeros(11, 2), [])  # larger than the whole budget: not kept
+    assert cache.get("huge") is None and cache.num_tokens == 8
