@@ -534,3 +534,15 @@ def default_cache_root() -> str:
 
 def replace(obj: Any, **changes: Any) -> Any:
     return dataclasses.replace(obj, **changes)
+
+
+def blocks_per_seq(
+    max_model_len: int, block_size: int, window: int | None = None, max_num_batched_tokens: int = 0
+) -> int:
+    """The most blocks one request of ``max_model_len`` tokens holds: one per ``block_size``
+    tokens, and with a sliding-window group (kv_cache_manager.py) those of the window and of one
+    step's tokens (at most ``max_num_batched_tokens``) too."""
+    full = -(-max_model_len // block_size)
+    if window is None:
+        return full
+    return full + min(full, -(-(window + max_num_batched_tokens) // block_size) + 1)

@@ -135,11 +135,68 @@ def _build_random(config: Any, folder: str) -> None:
     os.replace(tmp, folder)
 
 
+# Qwen3-VL-2B-Instruct's shape (its vocabulary aside: SmolLM2's tokenizer and Qwen's three vision
+# tokens, 49,155 ids instead of 151,936).
+QWEN3_VL_2B_TEXT = {
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                        "mrope_interleaved": True},
+}  # fmt: skip
+QWEN3_VL_2B_VISION = {
+    "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2048,
+    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [5, 11, 17],
+}  # fmt: skip
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+
+
+def qwen3_vl_folder() -> str:
+    """A seeded random-weight Qwen3-VL shaped like the 2B (QWEN3_VL_2B_*), bf16, saved once with
+    SmolLM2's tokenizer plus Qwen's vision tokens and Qwen3-VL's image processor settings."""
+    folder = os.path.join(bench_cache_root(), "qwen3-vl-2b-shape")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    import torch
+    from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    start, end, pad = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    text = QWEN3_VL_2B_TEXT | {"vocab_size": len(tokenizer), "bos_token_id": 1, "eos_token_id": 2}
+    config = Qwen3VLConfig(
+        text_config=text, vision_config=QWEN3_VL_2B_VISION, image_token_id=pad, vision_start_token_id=start,
+        vision_end_token_id=end, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(TINY_LLAMA_SEED)
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(config)
+    model = model.to_empty(device="cpu").bfloat16()
+    with torch.no_grad():  # a fast random init (transformers' own takes minutes at this size)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp, safe_serialization=True, max_shard_size="20GB")
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "preprocessor_config.json"), "w") as f:
+        json.dump({"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3,
+                   "image_std": [0.5] * 3, "size": {"shortest_edge": 65536, "longest_edge": 16777216}}, f)  # fmt: skip
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    os.replace(tmp, folder)
+    return folder
+
+
 MODEL_FOLDERS: dict[str, Callable[[], str]] = {
     "tiny": tiny_llama_folder,
     "smollm2": smollm2_folder,
     "qwen3_moe": qwen3_moe_folder,
     "gpt_oss": gpt_oss_folder,
+    "qwen3_vl": qwen3_vl_folder,
 }
 
 

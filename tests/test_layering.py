@@ -33,6 +33,9 @@ LAYERS: tuple[str, ...] = (
     "kv_transfer",
     "metrics",
     "debug",
+    # Images for multimodal models (processing, prompt expansion, the records sent to the
+    # worker): read by engine (input processing), entrypoints (chat) and worker.
+    "multimodal",
     # Process groups and collectives: read by model layers (sharding), worker and executor.
     "distributed",
     "platforms",

@@ -45,8 +45,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from axon.config import blocks_per_seq
 from axon.core.block_pool import BlockPool, KVCacheBlock
-from axon.core.kv_cache_utils import BlockHash, blocks_per_seq, cdiv, window_group_hash
+from axon.core.kv_cache_utils import BlockHash, cdiv, window_group_hash
 from axon.core.request import Request
 from axon.kv_transfer.kv_events import KVCacheEvent
 

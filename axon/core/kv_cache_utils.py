@@ -97,18 +97,6 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
     return hash_new_full_blocks
 
 
-def blocks_per_seq(
-    max_model_len: int, block_size: int, window: int | None = None, max_num_batched_tokens: int = 0
-) -> int:
-    """The most blocks one request of ``max_model_len`` tokens holds: one per ``block_size``
-    tokens, and with a sliding-window group (kv_cache_manager.py) those of the window and of one
-    step's tokens (at most ``max_num_batched_tokens``) too."""
-    full = cdiv(max_model_len, block_size)
-    if window is None:
-        return full
-    return full + min(full, cdiv(window + max_num_batched_tokens, block_size) + 1)
-
-
 def max_concurrency(
     num_blocks: int, block_size: int, max_model_len: int, blocks_per_seq: int | None = None
 ) -> int:

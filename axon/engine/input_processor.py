@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 
 from axon.config import ModelConfig
-from axon.engine.messages import EngineCoreRequest, ImageInput
+from axon.engine.messages import EngineCoreRequest
+from axon.multimodal.inputs import ImageInput
 from axon.multimodal.prompts import ImagePrompts
 from axon.sampling_params import UINT64_MAX, EngineSamplingParams, SamplingParams
 from axon.structured_output.backend_xgrammar import validate_structured_outputs

@@ -6,21 +6,10 @@ from typing import Any
 
 import msgspec
 
+from axon.multimodal.inputs import ImageInput
 from axon.pooling_params import EnginePoolingParams
 from axon.sampling_params import EngineSamplingParams
 from axon.step_outputs import EngineCoreOutput, SchedulerStats
-
-
-class ImageInput(msgspec.Struct, forbid_unknown_fields=True):
-    """One image of a prompt, processed for the model's vision tower (axon/multimodal/image.py):
-    its patches and grid, and where its placeholder tokens start in the (expanded) prompt."""
-
-    pixel_values: bytes  # float32 [num_patches, patch_dim], row-major
-    patch_dim: int
-    grid_thw: tuple[int, int, int]
-    offset: int  # the prompt index of its first placeholder token
-    num_tokens: int  # its placeholder tokens
-    digest: str  # sha256 of its patches and grid (prefix-cache keys)
 
 
 class EngineCoreRequest(msgspec.Struct, forbid_unknown_fields=True):

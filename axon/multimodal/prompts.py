@@ -12,8 +12,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from axon.engine.messages import ImageInput
 from axon.multimodal.image import ImageProcessorConfig, load_image, process_image
+from axon.multimodal.inputs import ImageInput
 
 DEFAULT_IMAGE_LIMIT = 8
 

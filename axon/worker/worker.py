@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from axon.config import AxonConfig
-from axon.core.kv_cache_utils import blocks_per_seq
+from axon.config import AxonConfig, blocks_per_seq
 from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel, set_expert_parallel
 from axon.kv_transfer.base import KVConnectorWorker
 from axon.kv_transfer.config import parse_kv_transfer_config

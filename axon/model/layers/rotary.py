@@ -160,7 +160,9 @@ class MRotaryEmbedding(RotaryEmbedding):
             raise ValueError(f"mrope_section {mrope_section} must sum to head_dim / 2 = {half}")
         t, h, w = mrope_section
         if interleaved:
-            rows = [1 if i % 3 == 1 and i < 3 * h else 2 if i % 3 == 2 and i < 3 * w else 0 for i in range(half)]
+            rows = [
+                1 if i % 3 == 1 and i < 3 * h else 2 if i % 3 == 2 and i < 3 * w else 0 for i in range(half)
+            ]
         else:
             rows = [0] * t + [1] * h + [2] * w
         # Which of the three positions each of the head's dims rotates by (a tuple: no tensor
