@@ -172,6 +172,7 @@ def qwen3_vl_folder() -> str:
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)
     model = model.to_empty(device="cpu").bfloat16()
+    model.tie_weights()  # to_empty unties the LM head from the embedding
     with torch.no_grad():  # a fast random init (transformers' own takes minutes at this size)
         for name, p in model.named_parameters():
             if "norm" in name:
