@@ -168,6 +168,18 @@ class ModelRunner:
         logits_indices: list[int] = []
         drafts: list[list[int]] = []
         is_decode = True  # every request computes its last known token and its drafts only
+        # Requests whose images have not been encoded yet: all of them in one vision-tower call.
+        new = [
+            s
+            for s in (self.requests[r] for r in req_ids)
+            if s.images is not None and s.encoded_images is None
+        ]
+        if new:
+            encoded = encode_request_images(
+                self.model, [(s.prompt_token_ids, s.images) for s in new], self.encoder_cache
+            )
+            for state, images in zip(new, encoded, strict=True):
+                state.encoded_images = images
         image_parts = []  # (a request's images, start, end, its first row)
         for i, req_id in enumerate(req_ids):
             state = self.requests[req_id]
@@ -178,10 +190,6 @@ class ModelRunner:
             assert known_end <= state.num_tokens, f"{req_id}: scheduled past its known tokens"
             assert not spec or known_end == state.num_tokens, f"{req_id}: drafts after a partial prefill"
             if state.images is not None:
-                if state.encoded_images is None:
-                    state.encoded_images = encode_request_images(
-                        self.model, state.prompt_token_ids, state.images, self.encoder_cache
-                    )
                 image_parts.append((state.encoded_images, start, end, len(token_ids)))
                 positions += [state.encoded_images.position(p) for p in range(start, end)]
             else:

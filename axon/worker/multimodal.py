@@ -69,13 +69,18 @@ class EncoderCache:
 
 
 def encode_request_images(
-    model: nn.Module, prompt_token_ids: list[int], images: list[Any], cache: EncoderCache | None = None
-) -> RequestImages:
-    """A request's images (engine.messages.ImageInput, in order) through the vision tower, those
-    the cache holds taken from it, the others encoded together in one call."""
+    model: nn.Module, requests: list[tuple[list[int], list[Any]]], cache: EncoderCache | None = None
+) -> list[RequestImages]:
+    """Requests' images (each a prompt and its engine ImageInputs, in order) through the vision
+    tower: those the cache holds taken from it, all the others of every request encoded
+    together in one call (their attention packed in one op)."""
     param = next(model.parameters())
-    found = {i.digest: cache.get(i.digest) for i in images} if cache is not None else {}
-    todo = [i for i in images if found.get(i.digest) is None]
+    found = (
+        {i.digest: cache.get(i.digest) for _, images in requests for i in images} if cache is not None else {}
+    )
+    todo = list(
+        {i.digest: i for _, images in requests for i in images if found.get(i.digest) is None}.values()
+    )
     if todo:
         pixels = torch.cat(
             [
@@ -93,11 +98,16 @@ def encode_request_images(
             start = end
     if cache is not None:
         cache.misses += len(todo)
-        cache.hits += len(images) - len(todo)
+        cache.hits += sum(len(images) for _, images in requests) - len(todo)
+    return [_request_images(model, prompt, images, found) for prompt, images in requests]
+
+
+def _request_images(
+    model: nn.Module, prompt_token_ids: list[int], images: list[Any], found: dict
+) -> RequestImages:
     embeds = torch.cat([found[i.digest][0] for i in images])
-    deepstack = [
-        torch.cat([found[i.digest][1][k] for i in images]) for k in range(len(found[images[0].digest][1]))
-    ]
+    num_deepstack = len(found[images[0].digest][1])
+    deepstack = [torch.cat([found[i.digest][1][k] for i in images]) for k in range(num_deepstack)]
     token_rows = torch.cat([torch.arange(i.offset, i.offset + i.num_tokens) for i in images])
     assert token_rows.numel() == embeds.shape[0], "the images' tokens and features differ in number"
     grids = [tuple(i.grid_thw) for i in images]

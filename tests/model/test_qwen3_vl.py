@@ -243,3 +243,32 @@ def test_the_encoder_cache_evicts_the_least_recently_used_past_its_budget() -> N
     assert cache.get("b") is None and cache.get("a") is not None and cache.num_tokens == 8
     cache.put("huge", torch.zeros(11, 2), [])  # larger than the whole budget: not kept
     assert cache.get("huge") is None and cache.num_tokens == 8
+
+
+def test_a_steps_new_images_are_encoded_in_one_call(qwen3_vl_dir: str) -> None:
+    """Three requests arriving together (four images of two sizes): one vision-tower call, its
+    attention packed over the images, and each request answers what it answers alone."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    one = "See <|vision_start|><|image_pad|><|vision_end|>."
+    prompts = [
+        {"prompt": TWO_IMAGES, "multi_modal_data": {"image": IMAGES}},
+        {"prompt": one, "multi_modal_data": {"image": _image(128, 64, 7)}},
+        {"prompt": one, "multi_modal_data": {"image": _image(64, 64, 8)}},
+    ]
+    llm = LLM(
+        model=qwen3_vl_dir, dtype="float32", max_model_len=256, block_size=4, enable_prefix_caching=False
+    )
+    model = llm.llm_engine.engine_core.executor.worker.model
+    calls = []
+    encode = model.encode_images
+    model.encode_images = lambda pixels, grids: calls.append(len(grids)) or encode(pixels, grids)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert calls == [4]
+    alone = LLM(
+        model=qwen3_vl_dir, dtype="float32", max_model_len=256, block_size=4, enable_prefix_caching=False
+    )
+    for prompt, out in zip(prompts, together, strict=True):
+        assert (
+            out.outputs[0].token_ids
+            == alone.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        )

@@ -6,7 +6,9 @@ Vision tower (``Qwen3VLVisionModel``), per image of ``grid_thw`` (t, h, w) patch
     patches [t*h*w, C*T*P*P] -> patch_embed (a Conv3d with kernel = stride: one linear map)
       + learned position embeddings (a square table bilinearly resampled to the image's h x w)
       -> depth ViT blocks (LayerNorm, bidirectional attention within the image with 2-D rotary
-         positions (row, column), GELU-tanh MLP)
+         positions (row, column), GELU-tanh MLP); the images of one call are packed into one
+         attention op (axon's C++ ``encoder_attention``: each attends to its own patches, no
+         padding), torch's SDPA per image elsewhere
       -> merger: every 2x2 patches (consecutive: the processor emits them in merge-block order)
          concatenated and projected to the decoder's width: one token per 4 patches.
     "Deepstack": after the blocks in ``deepstack_visual_indexes`` a merger of their own turns the
@@ -33,6 +35,7 @@ from axon.model.layers.attention.encoder import encoder_attention
 from axon.model.layers.rotary import MRotaryEmbedding
 from axon.model.models.llama import STACKED_PARAMS, LlamaModel, Qwen3ForCausalLM
 from axon.model.models.weights import load_by_name
+from axon.platforms.cpu_kernels import use_cpu_kernels
 
 # ---- the vision tower ----
 
@@ -51,7 +54,13 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
         # Rotary in float32, as transformers' apply_rotary_pos_emb_vision.
         q, k = (_rotate(y.float(), cos, sin).to(x.dtype) for y in (q, k))
-        out = encoder_attention(q, k, v, cu_seqlens, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        if use_cpu_kernels(q):  # every image of the call in one packed op: no padding, no mask
+            out = torch.ops.axon_cpu.encoder_attention(
+                q, k, v.contiguous(), torch.tensor(cu_seqlens, dtype=torch.int32), scale
+            )
+        else:
+            out = encoder_attention(q, k, v, cu_seqlens, scale)
         return self.proj(out.reshape(t, -1))
 
 
