@@ -181,6 +181,7 @@ class ModelRunner:
             for state, images in zip(new, encoded, strict=True):
                 state.encoded_images = images
         image_parts = []  # (a request's images, start, end, its first row)
+        image_positions = []  # (its first row, its [3, n] positions)
         for i, req_id in enumerate(req_ids):
             state = self.requests[req_id]
             start = state.num_computed_tokens
@@ -191,7 +192,8 @@ class ModelRunner:
             assert not spec or known_end == state.num_tokens, f"{req_id}: drafts after a partial prefill"
             if state.images is not None:
                 image_parts.append((state.encoded_images, start, end, len(token_ids)))
-                positions += [state.encoded_images.position(p) for p in range(start, end)]
+                image_positions.append((len(token_ids), state.encoded_images.positions_for(start, end)))
+                positions += image_positions[-1][1][0].tolist()  # a text token's three are equal
             else:
                 positions += range(start, end)
             token_ids += state.token_ids[start:known_end] + spec
@@ -229,11 +231,9 @@ class ModelRunner:
             attention_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
         step_positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         if images is not None:  # M-RoPE: an image token's three positions differ
-            image_rows, segment_positions = images
             step_positions = step_positions.expand(3, -1).clone()
-            for row0, pos in segment_positions:
+            for row0, pos in image_positions:
                 step_positions[:, row0 : row0 + pos.shape[1]] = pos.to(dev)
-            images = image_rows
         return StepInputs(
             req_ids=req_ids,
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),

@@ -30,9 +30,14 @@ class RequestImages:
     delta: int  # a position p past the prompt is p + delta
     prompt_len: int
 
-    def position(self, p: int) -> int:
-        """The (shared) position of a text token at index p."""
-        return int(self.positions[0, p]) if p < self.prompt_len else p + self.delta
+    def positions_for(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] positions of indices start .. end - 1: the prompt's M-RoPE ones, then
+        p + delta on all three rows."""
+        p = torch.arange(start, end)
+        out = (p + self.delta).expand(3, -1).clone()
+        prompt = p < self.prompt_len
+        out[:, prompt] = self.positions[:, p[prompt]]
+        return out
 
     def rows_in(self, start: int, end: int) -> torch.Tensor:
         """Indices (into token_rows) of the image tokens among prompt indices start .. end - 1."""
@@ -115,27 +120,19 @@ def _request_images(
     return RequestImages(token_rows, embeds, deepstack, positions, delta, len(prompt_token_ids))
 
 
-def step_images(
-    parts: list[tuple[RequestImages, int, int, int]], device: torch.device
-) -> tuple[ImageRows, list[tuple[int, torch.Tensor]]] | None:
+def step_images(parts: list[tuple[RequestImages, int, int, int]], device: torch.device) -> ImageRows | None:
     """The image tokens of a step's ``parts`` (a request's images, its first and end index this
-    step, its first row in the step): their ImageRows, and per part (first row, its 3-row
-    positions over the whole segment) to write into the step's positions; None: no image token."""
-    rows, picks, positions = [], [], []
+    step, its first row in the step) as the model takes them; None: the step has none."""
+    rows, picks = [], []
     for images, start, end, row0 in parts:
         idx = images.rows_in(start, end)
         if idx.numel() == 0:
             continue
         rows.append(images.token_rows[idx] - start + row0)
         picks.append((images, idx))
-        p = torch.arange(start, end)
-        pos = (p + images.delta).expand(3, -1).clone()
-        prompt = p < images.prompt_len
-        pos[:, prompt] = images.positions[:, p[prompt]]
-        positions.append((row0, pos))
     if not rows:
         return None
     embeds = torch.cat([im.embeds[idx] for im, idx in picks])
     num_deepstack = len(picks[0][0].deepstack)
     deepstack = [torch.cat([im.deepstack[k][idx] for im, idx in picks]) for k in range(num_deepstack)]
-    return ImageRows(torch.cat(rows).to(device), embeds, deepstack), positions
+    return ImageRows(torch.cat(rows).to(device), embeds, deepstack)
