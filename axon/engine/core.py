@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-from axon.config import AxonConfig, replace
-from axon.core.kv_cache_utils import cdiv, make_block_hasher
+from axon.config import AxonConfig, blocks_per_seq, replace
+from axon.core.kv_cache_utils import make_block_hasher
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
 from axon.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -222,9 +222,7 @@ def _kv_connector_args(config: AxonConfig) -> dict:
 
 
 def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int, window: int | None = None) -> None:
-    needed = cdiv(max_model_len, block_size) + 1
-    if window is not None:  # and the window group's blocks of the sliding layers
-        needed += min(cdiv(max_model_len, block_size), cdiv(window, block_size) + 1)
+    needed = blocks_per_seq(max_model_len, block_size, window) + 1  # the window group's too
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache has {num_blocks} blocks of {block_size} tokens, fewer than the {needed} that one "

@@ -191,6 +191,7 @@ class Worker:
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector: KVConnectorWorker | None = None  # disaggregated serving
+        self.kv_window = self._decide_kv_window()
 
     def _make_compiler(self) -> BucketCompiler:
         m, c = self.config.model_config, self.config.cache_config
@@ -267,6 +268,10 @@ class Worker:
         window) keeps its sliding layers' blocks apart and frees those out of the window. None:
         one group (also when a feature needs one: a KV connector, context or attention data
         parallelism, a draft with windows, or --disable-hybrid-kv-cache-manager)."""
+        return self.kv_window
+
+    def _decide_kv_window(self) -> int | None:
+        """``kv_cache_window``'s answer, decided once (and logged once) at start-up."""
         if self.encoder_only:
             return None
         target, *drafts = self._kv_layers()
@@ -293,9 +298,8 @@ class Worker:
         window group, the i-th full layer and the i-th sliding layer share tensor i (a block id
         belongs to one group at a time, so they never use the same block); else one each."""
         slots = []
-        window = self.kv_cache_window()
         for n, layers in enumerate(self._kv_layers()):
-            if n > 0 or window is None:
+            if n > 0 or self.kv_window is None:
                 slots.append(list(range(len(layers))))
                 continue
             counts = {True: 0, False: 0}
@@ -330,7 +334,7 @@ class Worker:
         # On CUDA, what the whole device has in use: this engine's weights and other processes.
         used = total - torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         decision = decide_num_blocks(
-            self.config, self.bytes_per_block(), self.device.type, total, used, self.kv_cache_window()
+            self.config, self.bytes_per_block(), self.device.type, total, used, self.kv_window
         )
         logger.info("KV cache size: %s", decision.reason)
         p = self.config.parallel_config
@@ -355,7 +359,7 @@ class Worker:
         self.kv_caches = []
         gib = num_blocks * self.bytes_per_block() / _GIB
         size = f"{num_blocks} blocks of {block_size} tokens ({gib:.2f} GiB, {self.kv_dtype})"
-        if (window := self.kv_cache_window()) is not None:
+        if (window := self.kv_window) is not None:
             size += (
                 f"; the sliding-window layers' blocks apart (window {window}: blocks out of it are "
                 "freed), each cache tensor shared by a full and a sliding layer"
