@@ -173,7 +173,7 @@ def _url_bytes(url: str, allowed_local_media_path: str | None) -> bytes:
         except (binascii.Error, ValueError):
             raise ValueError("the image data URL's base64 payload does not decode") from None
     if url.startswith(("http://", "https://")):
-        return _fetch(url)
+        return _at_most_max(_fetch(url), "the image at the URL")
     if url.startswith("file://"):
         if allowed_local_media_path is None:
             raise ValueError("file:// image URLs need --allowed-local-media-path (the folder they may read)")
@@ -185,9 +185,10 @@ def _url_bytes(url: str, allowed_local_media_path: str | None) -> bytes:
             )
         try:
             with open(path, "rb") as f:
-                return f.read(MAX_IMAGE_BYTES + 1)
+                data = f.read(MAX_IMAGE_BYTES + 1)
         except OSError as e:
             raise ValueError(f"the image file cannot be read: {e.strerror}") from None
+        return _at_most_max(data, "the image file")
     raise ValueError(f"an image URL must be a data:, http(s):// or file:// URL, got {url[:40]!r}")
 
 
@@ -200,6 +201,11 @@ def _fetch(url: str) -> bytes:
         raise ValueError(
             f"the image URL could not be fetched within {FETCH_TIMEOUT_S:g} s: {reason}"
         ) from None
+    return data
+
+
+def _at_most_max(data: bytes, what: str) -> bytes:
+    """``data`` (read up to one byte past the limit), or a ValueError if it is past the limit."""
     if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"the image at the URL is larger than {MAX_IMAGE_BYTES} bytes")
+        raise ValueError(f"{what} is larger than {MAX_IMAGE_BYTES} bytes")
     return data
