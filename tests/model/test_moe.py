@@ -120,13 +120,24 @@ def test_the_fused_op_equals_the_loop(
     block = _block(experts, top_k, hidden, intermediate, renormalize, seed=tokens, gpt_oss=gpt_oss).bfloat16()
     x, logits = _inputs(tokens, hidden, experts, seed=tokens + 1)
     x = x.bfloat16()
-    # The oracle in float32 on the same (bf16) weights; the fused op accumulates in float32
-    # and rounds to bf16 where the GEMMs take their inputs, so it lands within bf16's error.
-    biases = (block.w13_bias.float(), block.w2_bias.float()) if gpt_oss else (None, None)
-    expected = moe_loop(
+    expected = _loop_in_float32(block, x, logits)
+    assert pack_experts(block) == 1 and block.method == "fused"
+    _assert_within_bf16(block, x, logits, expected)
+
+
+def _loop_in_float32(block: FusedMoE, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The oracle: the loop in float32 on the block's own (bf16, or dequantized) weights."""
+    biases = (block.w13_bias.float(), block.w2_bias.float()) if block.w13_bias is not None else (None, None)
+    return moe_loop(
         x.float(), logits, block.w13_weight.float(), block.w2_weight.float(), block.math, 0, *biases
     )
-    assert pack_experts(block) == 1 and block.method == "fused"
+
+
+def _assert_within_bf16(
+    block: FusedMoE, x: torch.Tensor, logits: torch.Tensor, expected: torch.Tensor
+) -> None:
+    """The fused op accumulates in float32 and rounds to bf16 where the GEMMs take their inputs,
+    so it lands within bf16's error of the float32 oracle."""
     with torch.inference_mode():
         got = block(x, logits)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
@@ -211,15 +222,7 @@ def test_the_quantized_fused_op_equals_the_loop_on_the_same_codes(
     oracle = _quantized_pair(block, method, group)
     x, logits = _inputs(tokens, hidden, experts, seed=tokens + 1)
     x = x.bfloat16()
-    biases = (oracle.w13_bias.float(), oracle.w2_bias.float()) if gpt_oss else (None, None)
-    expected = moe_loop(
-        x.float(), logits, oracle.w13_weight.float(), oracle.w2_weight.float(), block.math, 0, *biases
-    )
-    with torch.inference_mode():
-        got = block(x, logits)
-    assert got.dtype == torch.bfloat16 and got.shape == x.shape
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(got.float(), expected, atol=0.01 * scale, rtol=0.02)
+    _assert_within_bf16(block, x, logits, _loop_in_float32(oracle, x, logits))
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
