@@ -154,15 +154,17 @@ class Qwen3VLVisionModel(nn.Module):
         bilinearly, corners aligned, to the image's grid) and its (row, column)."""
         m, table = self.merge, self.pos_embed.weight
         square = table.view(self.side, self.side, -1).permute(2, 0, 1)[None].float()  # [1, D, S, S]
+
+        def merge_order(x: torch.Tensor) -> torch.Tensor:  # [h, w, n] -> [h * w, n], block by block
+            h, w, n = x.shape
+            return x.reshape(h // m, m, w // m, m, n).permute(0, 2, 1, 3, 4).reshape(h * w, n)
+
         embeds, rows_cols = [], []
         for t, h, w in grids:
             grid = F.interpolate(square, size=(h, w), mode="bilinear", align_corners=True)[0]  # [D, h, w]
-            grid = grid.permute(1, 2, 0).reshape(h // m, m, w // m, m, -1).permute(0, 2, 1, 3, 4)
-            embeds.append(grid.reshape(h * w, -1).repeat(t, 1))
-            r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-            r = r.reshape(h // m, m, w // m, m).permute(0, 2, 1, 3).reshape(-1)
-            c = c.reshape(h // m, m, w // m, m).permute(0, 2, 1, 3).reshape(-1)
-            rows_cols.append(torch.stack([r, c], dim=-1).repeat(t, 1))
+            embeds.append(merge_order(grid.permute(1, 2, 0)).repeat(t, 1))
+            rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)
+            rows_cols.append(merge_order(rc).repeat(t, 1))
         return torch.cat(embeds).to(table.dtype), torch.cat(rows_cols).to(table.device)
 
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> VisionOutput:
