@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,7 +253,18 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """hidden [T, hidden] and the input stream [T, hidden] of each of ``aux_layer_ids``."""
-        x, residual = self.embed_tokens(input_ids), None
+        return self.run_embeds(self.embed_tokens(input_ids), positions, aux_layer_ids)
+
+    def run_embeds(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        aux_layer_ids: tuple[int, ...] = (),
+        after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``run`` from the input embeddings ``x``; ``after_layer(i, x)`` may change layer i's
+        output (before the residual joins it: what it adds, the stream gets)."""
+        residual = None
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layer_ids:
@@ -261,6 +272,8 @@ class LlamaModel(nn.Module):
                 # again (the same float add, so the same numbers); layer 0's is the embedding.
                 aux[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual)
+            if after_layer is not None:
+                x = after_layer(i, x)
         return self.norm(x, residual)[0], [aux[i] for i in aux_layer_ids]
 
 

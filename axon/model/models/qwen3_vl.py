@@ -241,17 +241,17 @@ class Qwen3VLTextModel(LlamaModel):
         aux_layer_ids: tuple[int, ...] = (),
         images: ImageRows | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x, residual = self.embed_tokens(input_ids), None
-        if images is not None:
-            x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
-        aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layer_ids:
-                aux[i] = x if residual is None else x + residual
-            x, residual = layer(positions, x, residual)
-            if images is not None and i < len(images.deepstack):
-                x = x.index_add(0, images.rows, images.deepstack[i].to(x.dtype))
-        return self.norm(x, residual)[0], [aux[i] for i in aux_layer_ids]
+        x = self.embed_tokens(input_ids)
+        if images is None:
+            return self.run_embeds(x, positions, aux_layer_ids)
+        x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
+
+        def add_deepstack(i: int, h: torch.Tensor) -> torch.Tensor:
+            if i >= len(images.deepstack):
+                return h
+            return h.index_add(0, images.rows, images.deepstack[i].to(h.dtype))
+
+        return self.run_embeds(x, positions, aux_layer_ids, add_deepstack)
 
 
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
