@@ -65,6 +65,11 @@ class ModelConfig:
     limit_mm_per_prompt: dict[str, Any] | None = None
     """Multimodal models, JSON: the most items of each modality one prompt may hold, {"image": N};
     None: 8 images."""
+    mm_encoder_only: bool = False
+    """Multimodal models: an encoder server of encoder disaggregation (vLLM's flag). It loads only
+    the vision tower and answers each request once its images' features are stored for the
+    prefill/decode servers (ec_transfer_config, role ec_producer); it keeps no KV cache and
+    generates nothing."""
     # Resolved by resolve_config(), never set by users:
     gguf_file: str | None = None  # the GGUF file the model came from, if it did
     model_path: str | None = None  # the HF folder actually loaded (a GGUF file is converted once)
@@ -226,6 +231,13 @@ class KVTransferConfig:
     "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ""}; see
     axon/kv_transfer/kv_events.py, which checks it."""
 
+    ec_transfer_config: dict[str, Any] | None = None
+    """Encoder disaggregation, JSON (vLLM's keys): {"ec_connector": "ECExampleConnector",
+    "ec_role": "ec_producer"|"ec_consumer"|"ec_both", "ec_connector_extra_config":
+    {"shared_storage_path": "/dev/shm/axon-ec", "ttl_seconds": 600}}: a producer stores the
+    features of the images it encodes, a consumer loads them instead of encoding; see
+    axon/kv_transfer/ec_connector.py."""
+
 
 @dataclass(frozen=True)
 class ObservabilityConfig:
@@ -272,6 +284,7 @@ _JSON_OPTIONS = {
     "structured_outputs_config",
     "kv_transfer_config",
     "kv_events_config",
+    "ec_transfer_config",
     "additional_config",
     "pooler_config",
     "limit_mm_per_prompt",

@@ -17,6 +17,7 @@ from axon.config import (
     validate_config,
 )
 from axon.kv_transfer.config import parse_kv_transfer_config
+from axon.kv_transfer.ec_connector import parse_ec_transfer_config
 from axon.kv_transfer.kv_events import parse_kv_events_config
 from axon.model.layers.tensor_parallel import check_share, check_split
 from axon.model.loader import default_model_path, gguf_to_hf_folder, load_hf_config
@@ -59,6 +60,7 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     # An unsupported architecture fails here, early.
     model_class = resolve_model_class(hf.get("architectures"))
     runner = _resolve_runner(m.runner, model_class, hf)
+    _check_encoder_disaggregation(config, model_class, hf)
     config = _resolve_attention_dp(config, runner)
     _check_tensor_parallel(config, model_class, hf)
     model_max = int(hf.get("max_position_embeddings") or 2048)
@@ -145,6 +147,27 @@ def _resolve_kv_transfer(config: AxonConfig, runner: str) -> KVTransferConfig:
     raw = dict(kv.kv_transfer_config or {})
     raw.setdefault("engine_id", settings.engine_id)
     return replace(kv, kv_transfer_config=raw)
+
+
+def _check_encoder_disaggregation(config: AxonConfig, model_class: type, hf: dict[str, Any]) -> None:
+    """--mm-encoder-only and --ec-transfer-config: a model with a vision tower, and an encoder
+    server that hands its features on."""
+    settings = parse_ec_transfer_config(config.kv_transfer_config.ec_transfer_config)
+    encoder_only = config.model_config.mm_encoder_only
+    if settings is None and not encoder_only:
+        return
+    flag = "--mm-encoder-only" if encoder_only else "--ec-transfer-config"
+    if "vision_config" not in hf:
+        raise ValueError(f"{flag} is for multimodal models: {model_class.__name__} has no vision encoder")
+    if encoder_only and (settings is None or not settings.is_producer):
+        raise ValueError(
+            "--mm-encoder-only computes image features for other servers: give --ec-transfer-config with "
+            '"ec_role": "ec_producer" (or "ec_both")'
+        )
+    if encoder_only and config.parallel_config.tensor_parallel_size != 1:
+        raise ValueError(
+            "--mm-encoder-only runs the vision tower on one rank: tensor_parallel_size must be 1"
+        )
 
 
 def _check_tensor_parallel(config: AxonConfig, model_class: type, hf: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
+from typing import Any
 
 from axon.config import AxonConfig, blocks_per_seq, replace
 from axon.core.kv_cache_utils import make_block_hasher
@@ -179,10 +180,7 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
         stats.compiles, self._unreported_compiles = self._unreported_compiles, []
-        if not self._reported_startup:
-            stats.model_load_time_s = self.model_load_time_s
-            stats.startup_time_s = self.startup_time_s
-            self._reported_startup = True
+        report_startup_once(self, stats)
         return stats
 
     def compile_pending(self) -> bool:
@@ -204,6 +202,25 @@ class EngineCore:
             self.scheduler.connector.shutdown()
         self.executor.shutdown()
         self.kv_event_publisher.shutdown()
+
+
+def report_startup_once(core: Any, stats: SchedulerStats) -> None:
+    """An engine core's start-up times (``model_load_time_s``, ``startup_time_s``) go out with
+    its first report only."""
+    if not core._reported_startup:
+        stats.model_load_time_s = core.model_load_time_s
+        stats.startup_time_s = core.startup_time_s
+        core._reported_startup = True
+
+
+def make_engine_core(config: AxonConfig) -> EngineCore:
+    """The engine core ``config`` asks for: an encoder server's (``mm_encoder_only``: the vision
+    tower alone, axon/engine/encoder_core.py) or the usual one."""
+    if config.model_config.mm_encoder_only:
+        from axon.engine.encoder_core import EncoderEngineCore
+
+        return EncoderEngineCore(config)  # type: ignore[return-value] (the same face)
+    return EngineCore(config)
 
 
 # How long an engine with only KV transfers to settle waits between polls of them.

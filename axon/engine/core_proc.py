@@ -81,9 +81,9 @@ def run_engine_core(config: AxonConfig, input_addr: str, output_addr: str) -> No
     stop_heartbeat = _start_heartbeat(ctx, output_addr)
     code = 0
     try:
-        from axon.engine.core import EngineCore
+        from axon.engine.core import make_engine_core
 
-        core = EngineCore(config)
+        core = make_engine_core(config)
         # The model and what start-up built live to the end: frozen out of the collector's
         # reach (as vLLM freezes its heap), a collection during the steps walks only what the
         # steps allocate (it was ~3% of a SmolLM2 decode step).

@@ -9,7 +9,7 @@ import itertools
 from typing import Any
 
 from axon.config import AxonConfig
-from axon.engine.core import EngineCore
+from axon.engine.core import make_engine_core
 from axon.engine.input_processor import InputProcessor, PromptType
 from axon.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest, PoolingRequest
 from axon.engine.pooling_inputs import PoolingInputProcessor
@@ -28,7 +28,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(model_config, self.tokenizer)
         pooling = model_config.runner == "pooling"
         self.pooling_inputs = PoolingInputProcessor(config, self.input_processor) if pooling else None
-        self.engine_core = EngineCore(config)
+        self.engine_core = make_engine_core(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._child_ids: dict[str, list[str]] = {}
         self._counter = itertools.count()

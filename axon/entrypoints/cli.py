@@ -217,7 +217,7 @@ def _add_router_parser(sub: Any) -> None:
     router = sub.add_parser(
         "router",
         help="an OpenAI-compatible proxy: disaggregated prefill/decode (--prefill, --decode; vLLM's "
-        "protocol) or plain replicas (--replica)",
+        "protocol) or plain replicas (--replica), optionally with encoder servers (--encode)",
     )
     router.add_argument("--host", default="0.0.0.0", help="(default: 0.0.0.0)")
     router.add_argument("--port", type=int, default=8000, help="(default: 8000)")
@@ -226,6 +226,15 @@ def _add_router_parser(sub: Any) -> None:
     role.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode servers")
     role.add_argument(
         "--replica", nargs="+", default=[], metavar="URL", help="plain servers (no disaggregation)"
+    )
+    role.add_argument(
+        "--encode",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="encoder servers (--mm-encoder-only): each image of a chat is encoded there first, the "
+        "chat then goes to --replica or --prefill/--decode servers that load the features "
+        "(--ec-transfer-config)",
     )
     routing = router.add_argument_group("routing")
     routing.add_argument(
@@ -434,6 +443,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         prefill_urls=tuple(backend_url(u) for u in args.prefill),
         decode_urls=tuple(backend_url(u) for u in args.decode),
         replica_urls=tuple(backend_url(u) for u in args.replica),
+        encode_urls=tuple(backend_url(u) for u in args.encode),
         policy=args.policy,
         kv_events_endpoints=tuple(args.kv_events),
         block_size=args.block_size,

@@ -18,6 +18,7 @@ from torch import nn
 
 from axon.distributed.parallel_state import get_tp_group
 from axon.forward_context import set_forward_context
+from axon.kv_transfer.ec_connector import ECSharedStorageConnector
 from axon.model.layers.attention import CommonAttentionMetadata, Segment, describe_step
 from axon.model.models.qwen3_vl import ImageRows
 from axon.model.pooler import finish_embedding, pool
@@ -66,6 +67,7 @@ class ModelRunner:
         compiler: BucketCompiler | None = None,
         pooling_type: str | None = None,
         proposer: Proposer | None = None,
+        ec_connector: ECSharedStorageConnector | None = None,
     ) -> None:
         self.model = model
         self.pooling_type = pooling_type  # the model's pooler (runner="pooling" only)
@@ -83,6 +85,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.proposer = proposer  # speculative decoding: drafts after each step (None: off)
         self.encoder_cache = EncoderCache()  # a multimodal model's vision features by image
+        self.ec_connector = ec_connector  # encoder disaggregation: features from an encoder server
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -176,7 +179,10 @@ class ModelRunner:
         ]
         if new:
             encoded = encode_request_images(
-                self.model, [(s.prompt_token_ids, s.images) for s in new], self.encoder_cache
+                self.model,
+                [(s.prompt_token_ids, s.images) for s in new],
+                self.encoder_cache,
+                self.ec_connector,
             )
             for state, images in zip(new, encoded, strict=True):
                 state.encoded_images = images

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from axon.kv_transfer.ec_connector import ECSharedStorageConnector, Features
 from axon.model.models.qwen3_vl import ImageRows, mrope_positions
 
 
@@ -74,37 +75,59 @@ class EncoderCache:
 
 
 def encode_request_images(
-    model: nn.Module, requests: list[tuple[list[int], list[Any]]], cache: EncoderCache | None = None
+    model: nn.Module,
+    requests: list[tuple[list[int], list[Any]]],
+    cache: EncoderCache | None = None,
+    ec: ECSharedStorageConnector | None = None,
 ) -> list[RequestImages]:
     """Requests' images (each a prompt and its engine ImageInputs, in order) through the vision
-    tower: those the cache holds taken from it, all the others of every request encoded
-    together in one call (their attention packed in one op)."""
-    param = next(model.parameters())
-    found = (
-        {i.digest: cache.get(i.digest) for _, images in requests for i in images} if cache is not None else {}
+    tower (see ``encode_images``), with the M-RoPE positions of each prompt."""
+    images = [i for _, request_images in requests for i in request_images]
+    found = encode_images(model.visual, images, cache, ec)
+    return [_request_images(model, prompt, request_images, found) for prompt, request_images in requests]
+
+
+def encode_images(
+    tower: nn.Module,
+    images: list[Any],
+    cache: EncoderCache | None = None,
+    ec: ECSharedStorageConnector | None = None,
+) -> dict[str, Features]:
+    """Features by digest of ``images`` (engine ImageInputs): those the cache holds taken from it,
+    then (an EC consumer) those an encoder server stored loaded, all the others encoded together
+    in one call of the vision ``tower`` (their attention packed in one op); an EC producer
+    stores what it encoded."""
+    found: dict[str, Features | None] = (
+        {i.digest: cache.get(i.digest) for i in images} if cache is not None else {}
     )
-    todo = list(
-        {i.digest: i for _, images in requests for i in images if found.get(i.digest) is None}.values()
-    )
+    todo = list({i.digest: i for i in images if found.get(i.digest) is None}.values())
+    if ec is not None and ec.settings.is_consumer and todo:
+        param = tower.pos_embed.weight
+        shape = (tower.out_dim, len(tower.deepstack_visual_indexes))
+        for image in todo:
+            found[image.digest] = ec.load(image.digest, image.num_tokens, *shape, param.device, param.dtype)
+        todo = [i for i in todo if found[i.digest] is None]
     if todo:
         pixels = torch.cat(
             [
                 torch.frombuffer(bytearray(i.pixel_values), dtype=torch.float32).view(-1, i.patch_dim)
                 for i in todo
             ]
-        ).to(param.device)
-        out = model.encode_images(pixels, [tuple(i.grid_thw) for i in todo])
+        )
+        out = tower(pixels, [tuple(i.grid_thw) for i in todo])
         start = 0
         for image in todo:
             end = start + image.num_tokens
             found[image.digest] = (out.embeds[start:end], [d[start:end] for d in out.deepstack])
-            if cache is not None:
-                cache.put(image.digest, *found[image.digest])
+            if ec is not None and ec.settings.is_producer:
+                ec.save(image.digest, *found[image.digest])
             start = end
     if cache is not None:
+        for digest, features in found.items():
+            cache.put(digest, *features)  # type: ignore[misc]
         cache.misses += len(todo)
-        cache.hits += sum(len(images) for _, images in requests) - len(todo)
-    return [_request_images(model, prompt, images, found) for prompt, images in requests]
+        cache.hits += len(images) - len(todo)
+    return found  # type: ignore[return-value]
 
 
 def _request_images(

@@ -13,6 +13,7 @@ from axon.config import AxonConfig, blocks_per_seq
 from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel, set_expert_parallel
 from axon.kv_transfer.base import KVConnectorWorker
 from axon.kv_transfer.config import parse_kv_transfer_config
+from axon.kv_transfer.ec_connector import make_ec_connector
 from axon.kv_transfer.factory import make_worker_connector
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
@@ -188,6 +189,7 @@ class Worker:
             compiler=self.compiler,
             pooling_type=model_pooler_config(config.model_config).pooling_type if pooling else None,
             proposer=self.proposer,
+            ec_connector=make_ec_connector(config.kv_transfer_config.ec_transfer_config),
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector: KVConnectorWorker | None = None  # disaggregated serving

@@ -260,8 +260,7 @@ def test_a_steps_new_images_are_encoded_in_one_call(qwen3_vl_dir: str) -> None:
     )
     model = llm.llm_engine.engine_core.executor.worker.model
     calls = []
-    encode = model.encode_images
-    model.encode_images = lambda pixels, grids: calls.append(len(grids)) or encode(pixels, grids)
+    model.visual.register_forward_pre_hook(lambda tower, args: calls.append(len(args[1])))
     together = llm.generate(prompts, params, use_tqdm=False)
     assert calls == [4]
     alone = LLM(

@@ -15,6 +15,7 @@ class RouterConfig:
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
     replica_urls: tuple[str, ...] = ()
+    encode_urls: tuple[str, ...] = ()  # encoder servers (--mm-encoder-only): a chat's images first
     policy: str = "round_robin"
     kv_events_endpoints: tuple[str, ...] = ()  # one per routed server (prefill or replica), in order
     block_size: int = 16  # the servers' KV block size, in tokens
@@ -30,7 +31,7 @@ class RouterConfig:
             raise ValueError(f"{given} needs {missing}: disaggregated serving takes both roles")
         if not (self.replica_urls or self.prefill_urls):
             raise ValueError("no backends: give --replica URL... or --prefill URL... --decode URL...")
-        urls = self.prefill_urls + self.decode_urls + self.replica_urls
+        urls = self.prefill_urls + self.decode_urls + self.replica_urls + self.encode_urls
         twice = sorted({u for u in urls if urls.count(u) > 1})
         if twice:
             raise ValueError(f"backend {twice[0]} is given twice")

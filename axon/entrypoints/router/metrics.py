@@ -41,6 +41,11 @@ class RouterMetrics:
             "Disaggregated requests no prefill server took: the decode server computed the prompt.",
             registry=r,
         )
+        self.encoder_fallbacks = Counter(
+            "axon_router:encoder_fallbacks",
+            "Images no encoder server took: the prefill/decode (or replica) server encoded them.",
+            registry=r,
+        )
         self.unserved = Counter(
             "axon_router:unserved_requests",
             "Requests no backend answered, or whose stream broke off.",

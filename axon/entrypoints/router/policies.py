@@ -22,7 +22,7 @@ class Backend:
     there (the least-loaded policy's load); ``up`` is the last verdict of a probe or a request."""
 
     url: str
-    role: str  # "prefill" | "decode" | "replica"
+    role: str  # "prefill" | "decode" | "replica" | "encode"
     index: int  # position among its role's backends: the server index of the prefix index
     up: bool = True
     in_flight: int = 0

@@ -87,6 +87,8 @@ class Router:
             if config.disaggregated
             else {"replica": config.replica_urls}
         )
+        if config.encode_urls:
+            roles["encode"] = config.encode_urls
         self.backends = {
             role: [Backend(u, role, i) for i, u in enumerate(urls)] for role, urls in roles.items()
         }
@@ -103,6 +105,7 @@ class Router:
             config.policy, self.prefix_index, self._tokenize, self.metrics.observe_prefix_match
         )
         self.decode_policy = make_policy("round_robin" if config.policy == "round_robin" else "least_loaded")
+        self.encode_policy = make_policy("least_loaded")
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._zmq_ctx: Any = None
@@ -151,6 +154,10 @@ class Router:
             if not isinstance(body, dict):
                 return error_response(400, "the request body must be a JSON object")
             headers = _forward_headers(request)
+            if "encode" in self.backends and request.path == "/v1/chat/completions":
+                refused = await self._encode_images(request, body, headers)
+                if refused is not None:
+                    return refused
             if self.config.disaggregated:
                 return await self._disaggregated(request, body, headers)
             candidates = await self.policy.order(self.backends["replica"], request.path, body)
@@ -196,6 +203,41 @@ class Router:
         decode_body = dict(body, kv_transfer_params=kv_transfer_params) if kv_transfer_params else body
         candidates = await self.decode_policy.order(self.backends["decode"], request.path, body)
         return await self._forward(request, candidates, json.dumps(decode_body).encode(), headers)
+
+    async def _encode_images(
+        self, request: web.Request, body: dict[str, Any], headers: dict[str, str]
+    ) -> web.StreamResponse | None:
+        """Each image of the chat to an encoder server (as a chat of that image alone, one token,
+        as vLLM's EPD proxy sends it), all at once; answered, the encoder has stored the image's
+        features for the servers the chat goes to next. An image no encoder takes is encoded by
+        those servers themselves. Returns the client's answer when an encoder refused an image
+        (a 4xx: the next servers would refuse it too), else None."""
+        parts = _image_parts(body)
+        if not parts:
+            return None
+
+        async def encode(k: int, part: dict[str, Any]) -> web.StreamResponse | BackendFailed:
+            payload = json.dumps(
+                {
+                    "model": body.get("model"),
+                    "messages": [{"role": "user", "content": [part]}],
+                    "max_tokens": 1,
+                    "stream": False,
+                }
+            ).encode()
+            # Its own request id: an encoder server serves the chat's images side by side.
+            own = dict(headers, **{"X-Request-Id": f"{headers['X-Request-Id']}-image{k}"})
+            candidates = await self.encode_policy.order(self.backends["encode"], request.path, body)
+            return await self._first_answer(candidates, lambda b: self._call(request, b, payload, own))
+
+        answers = await asyncio.gather(*(encode(k, part) for k, part in enumerate(parts)))
+        for answer in answers:
+            if isinstance(answer, BackendFailed):
+                self.metrics.encoder_fallbacks.inc()
+                logger.warning("no encoder server took an image (%s): the next server encodes it", answer)
+            elif answer.status != 200:
+                return answer
+        return None
 
     async def _forward(
         self, request: web.Request, candidates: list[Backend], payload: bytes | None, headers: dict[str, str]
@@ -339,6 +381,21 @@ def _kv_transfer_params(prefill_answer: web.StreamResponse) -> dict[str, Any] | 
         logger.warning("a prefill server's answer is no JSON object; the decode server computes the prompt")
         return None
     return params if isinstance(params, dict) else None
+
+
+def _image_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``image_url`` parts of a chat body's messages, in order (none of a malformed body: the
+    server that gets it next names what is wrong)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return []
+    return [
+        part
+        for message in messages
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image_url"
+    ]
 
 
 def _forward_headers(request: web.Request) -> dict[str, str]:

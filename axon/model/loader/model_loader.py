@@ -86,6 +86,31 @@ def load_model(
         return model.eval()
 
 
+def load_vision_tower(
+    model_config: ModelConfig, dtype: torch.dtype, device: torch.device, linear_backend: str = "torch"
+) -> nn.Module:
+    """A multimodal model's vision tower alone, with its checkpoint weights (the decoder's are
+    not read): an encoder server's model (``mm_encoder_only``). Dummy weights are the tower's
+    own random ones, not those of the whole model's dummy load."""
+    hf = model_config.hf_config
+    assert hf is not None and model_config.model_path is not None, "resolve_config() comes first"
+    cls = resolve_model_class(hf.get("architectures"), model_config.runner)
+    if not hasattr(cls, "vision_tower"):
+        raise ValueError(f"{cls.__name__} has no vision encoder to run alone")
+    with startup_phase(f"loading the vision tower of {model_config.model_path} ({dtype})"):
+        tower = build_empty(lambda: cls.vision_tower(hf), dtype, device)
+        for module in tower.modules():
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+        if model_config.load_format == "dummy":
+            _init_dummy_weights(tower, model_config.seed)
+        else:
+            cls.load_vision_weights(tower, iterate_safetensors(model_config.model_path, lazy=True))
+        if linear_backend != "torch":
+            pack_linears(tower, linear_backend, 256)
+        return tower.eval()
+
+
 def _prepare_experts(
     model: nn.Module,
     model_config: ModelConfig,

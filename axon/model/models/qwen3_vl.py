@@ -133,7 +133,7 @@ class Qwen3VLVisionModel(nn.Module):
         self.register_buffer("inv_freq", torch.empty(self.rotary_dim // 2), persistent=False)
         if self.inv_freq.device.type != "meta":
             self.reset_buffers()
-        out = cfg["out_hidden_size"]
+        self.out_dim = out = cfg["out_hidden_size"]
         self.blocks = nn.ModuleList(
             VisionBlock(dim, self.num_heads, cfg["intermediate_size"]) for _ in range(cfg["depth"])
         )
@@ -294,13 +294,6 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = self.arch.tie_word_embeddings
 
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.endswith("patch_embed.proj.weight"):  # [out, C, T, P, P] -> the linear map
-                    t = tensor.read() if hasattr(tensor, "read") else tensor
-                    tensor = t.reshape(t.shape[0], -1)
-                yield name, tensor
-
         def rename(name: str) -> str | None:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and tied):
                 return None
@@ -310,4 +303,30 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
             return name
 
         optional = frozenset({"lm_head.weight"} if tied else ())
-        load_by_name(self, renamed(), rename, optional, STACKED_PARAMS)
+        load_by_name(self, _flat_patch_embed(weights), rename, optional, STACKED_PARAMS)
+
+    @staticmethod
+    def vision_tower(hf_config: dict[str, Any]) -> Qwen3VLVisionModel:
+        """The vision tower alone (an encoder server's model, ``--mm-encoder-only``)."""
+        return Qwen3VLVisionModel(hf_config["vision_config"])
+
+    @staticmethod
+    def load_vision_weights(tower: Qwen3VLVisionModel, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The checkpoint's vision weights into ``vision_tower``'s module; the rest is not read."""
+
+        def rename(name: str) -> str | None:
+            for prefix in ("model.visual.", "visual."):
+                if name.startswith(prefix):
+                    return name[len(prefix) :]
+            return None
+
+        load_by_name(tower, _flat_patch_embed(weights), rename)
+
+
+def _flat_patch_embed(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    """The checkpoint's tensors, its Conv3d patch embedding ([out, C, T, P, P]) as the linear map."""
+    for name, tensor in weights:
+        if name.endswith("patch_embed.proj.weight"):
+            t = tensor.read() if hasattr(tensor, "read") else tensor
+            tensor = t.reshape(t.shape[0], -1)
+        yield name, tensor
