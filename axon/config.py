@@ -107,6 +107,11 @@ class SchedulerConfig:
     """The most sequences running at once."""
     max_num_batched_tokens: int | None = None
     """The most tokens in one step; None: 2048 (or max_model_len, if smaller)."""
+    max_num_encoder_input_tokens: int | None = None
+    """Multimodal models: the most image tokens one step's vision-tower call encodes (the images
+    of the requests it admits; vLLM's encoder budget); a request whose images would pass it
+    waits for the next step, one whose images alone exceed it runs them in a step of its own.
+    None: max_num_batched_tokens."""
     scheduling_policy: str = "fcfs"
     """fcfs only, for now."""
     admission_kv_limit: bool = True
@@ -449,6 +454,12 @@ def validate_config(config: AxonConfig) -> None:
         s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1,
         "max_num_batched_tokens",
         s.max_num_batched_tokens,
+        "must be at least 1",
+    )
+    need(
+        s.max_num_encoder_input_tokens is None or s.max_num_encoder_input_tokens >= 1,
+        "max_num_encoder_input_tokens",
+        s.max_num_encoder_input_tokens,
         "must be at least 1",
     )
     need(s.scheduling_policy == "fcfs", "scheduling_policy", s.scheduling_policy, "supports only 'fcfs'")

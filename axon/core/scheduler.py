@@ -17,6 +17,11 @@ encoder-only model (``encoder_only``: bidirectional attention, no KV cache) a pr
 split across steps: it is admitted only when the whole prompt fits the step's remaining budget,
 and a prompt longer than ``max_num_batched_tokens`` runs alone in a step of its own.
 
+A multimodal request's images are encoded in the step that admits it, so admission also spends
+an encoder budget, ``max_num_encoder_input_tokens`` image tokens per step: a request whose
+images would pass what is left waits for the next step (FCFS), and one whose images alone
+exceed the budget is admitted in a step that encodes no other images.
+
 Speculative decoding (``spec_config``): after each step the worker drafts tokens for every
 request that sampled (``ModelRunnerOutput.spec_token_ids``); the request keeps them in
 ``spec_token_ids`` and the next step schedules them with its known tokens (``num_tokens_with_spec``),
@@ -89,6 +94,9 @@ class Scheduler:
         )
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_encoder_input_tokens = (
+            scheduler_config.max_num_encoder_input_tokens or self.max_num_batched_tokens
+        )
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.encoder_only = encoder_only
@@ -291,6 +299,7 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
     ) -> None:
+        encoder_budget = self.max_num_encoder_input_tokens
         while (
             self.waiting
             and budget > 0
@@ -299,6 +308,10 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: resumable once it arrives
+            # The worker encodes a request's images in the step that admits it.
+            num_image_tokens = sum(i.num_tokens for i in req.images or ())
+            if num_image_tokens > encoder_budget and encoder_budget < self.max_num_encoder_input_tokens:
+                break  # FCFS: it waits for a step whose vision-tower call has room
             hit_blocks, num_hit_tokens = [], 0
             if req.num_computed_tokens == 0:  # else: a loaded request, its blocks in hand
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
@@ -343,6 +356,7 @@ class Scheduler:
             )
             num_scheduled[req.req_id] = n
             budget -= n
+            encoder_budget -= num_image_tokens
 
     def _start_remote_load(self, req: Request, hit_blocks: list, num_hit_tokens: int) -> bool:
         """If the connector can load part of the prompt: give the request blocks for its local

@@ -925,3 +925,50 @@ def test_draft_policy_sees_the_batch_that_can_run_not_the_queue() -> None:
         sched.add_request(make_request(f"r{i}", prompt(4, 100 * i)))
     sched.schedule()
     assert seen == [2]
+
+
+# ---- the encoder budget (multimodal requests) ----
+
+
+def _with_images(req: Request, *num_tokens: int) -> Request:
+    """``req`` with images of ``num_tokens`` image tokens each (the scheduler reads only their size)."""
+    from axon.multimodal.inputs import ImageInput
+
+    req.images = [ImageInput(b"", 1, (1, 2, 2), 0, n, f"{i:x}") for i, n in enumerate(num_tokens)]
+    return req
+
+
+def _encoder_scheduler(budget: int) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_num_encoder_input_tokens=budget),
+        CacheConfig(block_size=4),
+        64,
+        64,
+    )
+
+
+def test_a_step_encodes_at_most_the_encoder_budget_in_fcfs_order() -> None:
+    driver = Driver(_encoder_scheduler(budget=10))
+    a = _with_images(make_request("a", prompt(8, 0)), 4, 4)
+    b = _with_images(make_request("b", prompt(8, 100)), 6)  # 8 + 6 > 10: the next step
+    c = make_request("c", prompt(8, 200))  # no images, but FCFS: behind b
+    driver.add(a, b, c)
+    first, _ = driver.step()
+    assert [r.req_id for r in first.scheduled_new_reqs] == ["a"]
+    second, _ = driver.step()
+    assert [r.req_id for r in second.scheduled_new_reqs] == ["b", "c"]
+
+
+def test_images_past_the_whole_encoder_budget_run_in_a_step_without_other_images() -> None:
+    driver = Driver(_encoder_scheduler(budget=10))
+    text = make_request("text", prompt(4, 0))
+    big = _with_images(make_request("big", prompt(8, 100)), 12)
+    small = _with_images(make_request("small", prompt(8, 200)), 2)
+    driver.add(text, big, small)
+    first, _ = driver.step()
+    assert [r.req_id for r in first.scheduled_new_reqs] == ["text", "big"]  # big alone among images
+    second, _ = driver.step()
+    assert [r.req_id for r in second.scheduled_new_reqs] == ["small"]
+    while driver.scheduler.has_unfinished_requests():
+        driver.step()
+    assert set(driver.finish) == {"text", "big", "small"}
