@@ -65,6 +65,10 @@ class ModelConfig:
     limit_mm_per_prompt: dict[str, Any] | None = None
     """Multimodal models, JSON: the most items of each modality one prompt may hold, {"image": N};
     None: 8 images."""
+    skip_tokenizer_init: bool = False
+    """Load no tokenizer (vLLM's flag), for model folders without one: prompts are token ids
+    ({"prompt_token_ids": [...]}, or a completion's list of ids) and outputs carry token ids
+    and no text; text prompts, chats, stop strings and grammars are refused."""
     mm_encoder_only: bool = False
     """Multimodal models: an encoder server of encoder disaggregation (vLLM's flag). It loads only
     the vision tower and answers each request once its images' features are stored for the

@@ -61,7 +61,7 @@ from axon.engine.dp_handshake import HandshakeServer
 from axon.engine.input_processor import InputProcessor, PromptType
 from axon.engine.output_processor import OutputProcessor, ParentRequest, PoolingRequest
 from axon.engine.pooling_inputs import PoolingInput, PoolingInputProcessor
-from axon.engine.tokenizer import get_tokenizer
+from axon.engine.tokenizer import load_tokenizer
 from axon.metrics.stats import IterationStats, RequestTimes, StatLogger
 from axon.outputs import EmbeddingRequestOutput, RequestOutput
 from axon.pooling_params import PoolingParams
@@ -84,8 +84,7 @@ class AsyncLLM:
     ) -> None:
         self.config = config
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        assert config.model_config.tokenizer is not None, "resolve_config() sets the tokenizer"
-        self.tokenizer = get_tokenizer(config.model_config.tokenizer, chat_template)
+        self.tokenizer = load_tokenizer(config.model_config, chat_template)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         pooling = config.model_config.runner == "pooling"
         self.pooling_inputs = PoolingInputProcessor(config, self.input_processor) if pooling else None

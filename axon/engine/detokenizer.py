@@ -70,7 +70,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop or [])
         self.include_stop = params.include_stop_str_in_output
-        self.enabled = params.detokenize
+        self.enabled = params.detokenize and tokenizer is not None  # None: skip_tokenizer_init
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         backend = _stream_backend(tokenizer) if self.enabled else None
         self._stream = (

@@ -13,6 +13,7 @@ import msgspec
 
 from axon.config import ModelConfig
 from axon.engine.messages import EngineCoreRequest
+from axon.engine.tokenizer import NO_TOKENIZER
 from axon.multimodal.inputs import ImageInput
 from axon.multimodal.prompts import ImagePrompts
 from axon.sampling_params import UINT64_MAX, EngineSamplingParams, SamplingParams
@@ -29,7 +30,9 @@ class InputProcessor:
         self.max_logprobs = model_config.max_logprobs
         self.vocab_size = int(model_config.hf_config["vocab_size"])
         self.tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
+        self.eos_token_id = (
+            tokenizer.eos_token_id if tokenizer is not None else _config_eos(model_config.hf_config)
+        )
         # A multimodal model's images (None: a text-only model).
         self.images = ImagePrompts.for_model(
             model_config.hf_config,
@@ -83,6 +86,8 @@ class InputProcessor:
     def _encode(self, text: str) -> list[int]:
         if not text:
             raise ValueError("the prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError(NO_TOKENIZER)
         check_valid_unicode(text, "the prompt")  # the tokenizer would raise a TypeError naming nothing
         return list(self.tokenizer.encode(text))
 
@@ -128,6 +133,13 @@ class InputProcessor:
                 raise ValueError(f"{name} {value} exceeds max_logprobs {self.max_logprobs}")
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
+        if params.stop and not params.detokenize:
+            raise ValueError(
+                "stop strings need detokenize=True: they are found in the text (stop_token_ids work)"
+            )
+        if self.tokenizer is None and (params.stop or params.structured_outputs is not None):
+            what = "stop strings" if params.stop else "structured outputs"
+            raise ValueError(f"{what} need a tokenizer: {NO_TOKENIZER} (stop_token_ids work)")
         return params.for_engine(self.eos_token_id, self.vocab_size, default_max_tokens=room)
 
     def _request(
@@ -176,6 +188,14 @@ def validate_token_ids(prompt_token_ids: list[int], vocab_size: int) -> None:
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def _config_eos(hf_config: dict[str, Any]) -> int | None:
+    """The end-of-sequence id of a model without a tokenizer: its config's (the first of a list)."""
+    eos = hf_config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if isinstance(eos, int) else None
 
 
 def _child_params(params: EngineSamplingParams, index: int) -> EngineSamplingParams:

@@ -13,7 +13,7 @@ from axon.engine.core import make_engine_core
 from axon.engine.input_processor import InputProcessor, PromptType
 from axon.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest, PoolingRequest
 from axon.engine.pooling_inputs import PoolingInputProcessor
-from axon.engine.tokenizer import get_tokenizer
+from axon.engine.tokenizer import load_tokenizer
 from axon.pooling_params import PoolingParams
 from axon.sampling_params import RequestOutputKind, SamplingParams
 
@@ -23,8 +23,7 @@ class LLMEngine:
         _refuse_data_parallel(config)
         self.config = config
         model_config = config.model_config
-        assert model_config.tokenizer is not None, "resolve_config() sets the tokenizer"
-        self.tokenizer = get_tokenizer(model_config.tokenizer)
+        self.tokenizer = load_tokenizer(model_config)
         self.input_processor = InputProcessor(model_config, self.tokenizer)
         pooling = model_config.runner == "pooling"
         self.pooling_inputs = PoolingInputProcessor(config, self.input_processor) if pooling else None

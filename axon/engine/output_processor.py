@@ -210,5 +210,5 @@ class OutputProcessor:
             rows.append(row)
         return rows
 
-    def _decode(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _decode(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])

@@ -20,10 +20,27 @@ def get_tokenizer(path: str, chat_template: str | None = None) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many kinds; the user needs the path and cause
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+        raise ValueError(
+            f"cannot load a tokenizer from {path!r}: {e} (a model folder without one runs with "
+            "skip_tokenizer_init, on token ids)"
+        ) from e
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def load_tokenizer(model_config: Any, chat_template: str | None = None) -> Any | None:
+    """The engine's tokenizer: None with ``skip_tokenizer_init`` (token ids in and out)."""
+    if model_config.skip_tokenizer_init:
+        return None
+    assert model_config.tokenizer is not None, "resolve_config() sets the tokenizer"
+    return get_tokenizer(model_config.tokenizer, chat_template)
+
+
+NO_TOKENIZER = (
+    "the engine was started with skip_tokenizer_init (no tokenizer): prompts must be token ids "
+    "({'prompt_token_ids': [...]}) and outputs have no text"
+)
 
 
 class PromptTooLong(ValueError):
@@ -47,6 +64,8 @@ def render_chat(
     """Messages -> (prompt text, token ids) through the chat template: the one way offline, the
     CLI and the server render a conversation. Errors are ValueErrors that say what is wrong;
     a text longer than ``max_chars`` raises ``PromptTooLong`` instead of being tokenized."""
+    if tokenizer is None:
+        raise ValueError(f"a chat needs a tokenizer: {NO_TOKENIZER}")
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; pass chat_template")
     if continue_final_message and add_generation_prompt:

@@ -35,6 +35,7 @@ from axon.entrypoints.openai.serving_engine import (
     Ticket,
     clamp_logprob,
     sse,
+    token_text,
     usage,
 )
 from axon.entrypoints.openai.tool_choice import ToolPlan, plan_tools
@@ -201,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
     def _token_str(self, token_id: int, logprob: Logprob) -> str:
         if logprob.decoded_token is not None:
             return logprob.decoded_token
-        return self.tokenizer.decode([token_id])
+        return token_text(self.tokenizer, token_id)
 
 
 class _ChunkMaker:

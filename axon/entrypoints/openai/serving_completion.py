@@ -35,6 +35,7 @@ from axon.entrypoints.openai.serving_engine import (
     Ticket,
     clamp_logprob,
     sse,
+    token_text,
     usage,
 )
 from axon.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
@@ -109,13 +110,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def prompt_text(self, prompt: _Prompt) -> str:
         if prompt.text is None:
-            prompt.text = self.tokenizer.decode(prompt.token_ids)
+            prompt.text = "" if self.tokenizer is None else self.tokenizer.decode(prompt.token_ids)
         return prompt.text
 
     def token_str(self, token_id: int, logprob: Logprob | None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
-        return self.tokenizer.decode([token_id])
+        return token_text(self.tokenizer, token_id)
 
 
 class _Run:

@@ -23,7 +23,7 @@ from fastapi import Request
 
 from axon.engine.async_llm import AsyncLLM
 from axon.engine.pooling_inputs import PoolingInput
-from axon.engine.tokenizer import PromptTooLong, render_chat
+from axon.engine.tokenizer import NO_TOKENIZER, PromptTooLong, render_chat
 from axon.entrypoints.openai.errors import bad_request, model_not_found, unavailable
 from axon.entrypoints.openai.protocol import ChatMessage, SamplingFields, UsageInfo
 from axon.entrypoints.openai.structured_outputs import structured_outputs_from_request
@@ -211,6 +211,8 @@ class OpenAIServing:
     async def encode(self, text: str, add_special_tokens: bool, what: str) -> list[int]:
         """Text -> token ids off the loop. The length bound holds with ``truncate_prompt_tokens``
         too: tokenizing a text that long costs a worker seconds to minutes, whatever is kept."""
+        if self.tokenizer is None:
+            raise bad_request(NO_TOKENIZER, param=what)
         self.check_prompt_chars(len(text), what)
         return await self.off_loop(_encode, self.tokenizer, text, add_special_tokens)
 
@@ -225,6 +227,8 @@ class OpenAIServing:
     ) -> tuple[str, list[int], list[Any]]:
         """Chat messages -> (prompt text, token ids, image URLs) through the chat template, off the
         loop. Image parts reach the template as ``{"type": "image"}``, their URLs come back."""
+        if self.tokenizer is None:
+            raise bad_request(f"a chat needs a tokenizer: {NO_TOKENIZER}", param="messages")
         self.check_request_chat_template(chat_template)
         conversation, images = split_chat_images([_message_dict(m, i) for i, m in enumerate(messages)])
         # Messages already too long need no rendering; the rendered text is checked again.
@@ -442,6 +446,12 @@ class OutputStream:
 async def _wait_disconnect(raw_request: Request) -> None:
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A token as a logprobs entry names it: its text, or without a tokenizer (skip_tokenizer_init)
+    ``token_id:N`` (vLLM's form for tokens as ids)."""
+    return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
 
 
 def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from axon.engine.tokenizer import NO_TOKENIZER
 from axon.entrypoints.openai.errors import bad_request
 from axon.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -42,4 +43,6 @@ class OpenAIServingTokenization(OpenAIServing):
             raise bad_request(
                 f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens"
             )
+        if self.tokenizer is None:
+            raise bad_request(NO_TOKENIZER, param="tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
