@@ -116,7 +116,7 @@ def bound_generation(body: Any) -> None:
     """Keep generated generation requests short: the fuzzer is after bad input, not long runs."""
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens"):
         if (
             not isinstance(body.get(key), int)
             or isinstance(body.get(key), bool)

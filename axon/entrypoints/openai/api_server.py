@@ -46,20 +46,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from axon.config import AxonConfig
 from axon.engine.async_llm import AsyncLLM
 from axon.entrypoints.openai import cli_args
-from axon.entrypoints.openai.errors import OpenAIError, from_exception, unavailable
-from axon.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
+from axon.entrypoints.openai.errors import OpenAIError, anthropic_error, from_exception, unavailable
+from axon.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware, is_anthropic_path
 from axon.entrypoints.openai.protocol import (
     UNION_TAGS,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    CountTokensRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     ErrorResponse,
+    MessagesRequest,
     ModelList,
+    ResponsesRequest,
     ScoreRequest,
     ScoreResponse,
     TokenizeRequest,
@@ -69,7 +72,9 @@ from axon.entrypoints.openai.serving_chat import OpenAIServingChat
 from axon.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from axon.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from axon.entrypoints.openai.serving_engine import Admission, ClientGone, ServingContext
+from axon.entrypoints.openai.serving_messages import AnthropicServingMessages
 from axon.entrypoints.openai.serving_models import OpenAIServingModels
+from axon.entrypoints.openai.serving_responses import OpenAIServingResponses
 from axon.entrypoints.openai.serving_score import OpenAIServingScore
 from axon.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from axon.metrics.loggers import LoggingStatLogger
@@ -93,6 +98,8 @@ class Servings:
     models: OpenAIServingModels
     embedding: OpenAIServingEmbedding
     score: OpenAIServingScore
+    responses: OpenAIServingResponses
+    messages: AnthropicServingMessages
     ctx: ServingContext
 
 
@@ -182,6 +189,8 @@ class ServerState:
             OpenAIServingModels(ctx),
             OpenAIServingEmbedding(ctx),
             OpenAIServingScore(ctx),
+            OpenAIServingResponses(ctx),
+            AnthropicServingMessages(ctx),
             ctx,
         )
 
@@ -356,6 +365,26 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await state.require_servings("generate").chat.create_chat_completion(request, raw_request)
 
+    @app.post("/v1/responses", responses=_STREAMS)
+    async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await state.require_servings("generate").responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def get_response(response_id: str) -> Response:
+        return state.require_servings("generate").responses.retrieve(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=_ERRORS)
+    async def cancel_response(response_id: str) -> Response:
+        return await state.require_servings("generate").responses.cancel(response_id)
+
+    @app.post("/v1/messages", responses=_STREAMS)
+    async def messages(request: MessagesRequest, raw_request: Request) -> Response:
+        return await state.require_servings("generate").messages.create_message(request, raw_request)
+
+    @app.post("/v1/messages/count_tokens", responses=_ERRORS)
+    async def count_tokens(request: CountTokensRequest) -> Response:
+        return await state.require_servings("generate").messages.count_tokens(request)
+
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMS)
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return await state.require_servings("generate").completion.create_completion(request, raw_request)
@@ -402,12 +431,12 @@ def _json(model: Any) -> Response:
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, e: OpenAIError) -> Response:
-        return e.response()
+    async def openai_error(request: Request, e: OpenAIError) -> Response:
+        return _error_response(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> Response:
-        return _validation_error(e).response()
+    async def validation_error(request: Request, e: RequestValidationError) -> Response:
+        return _error_response(request, _validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
@@ -415,15 +444,20 @@ def _add_error_handlers(app: FastAPI) -> None:
         if e.status_code in (HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED):
             message = f"Invalid URL ({request.method} {request.url.path}): {e.detail}"
         code = HTTPStatus(e.status_code).phrase.lower().replace(" ", "_")
-        return OpenAIError(message, e.status_code, code=code).response()
+        return _error_response(request, OpenAIError(message, e.status_code, code=code))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, e: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> Response:  # the engine's death included
-        return from_exception(e).response()
+    async def unexpected(request: Request, e: Exception) -> Response:  # the engine's death included
+        return _error_response(request, from_exception(e))
+
+
+def _error_response(request: Request, e: OpenAIError) -> Response:
+    """An error in the shape of the API its path belongs to: Anthropic's on /v1/messages."""
+    return anthropic_error(e) if is_anthropic_path(request.url.path) else e.response()
 
 
 def _validation_error(e: RequestValidationError) -> OpenAIError:

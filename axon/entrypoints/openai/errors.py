@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status
+(and on Anthropic's Messages API, Anthropic's shape: ``anthropic_error``).
 
 Handlers raise ``OpenAIError`` (or one of its named constructors); the app's exception handlers
 turn it, FastAPI's validation errors and Starlette's HTTP errors into the same JSON shape.
@@ -83,3 +84,23 @@ def from_exception(e: Exception) -> OpenAIError:
         return error
     logger.error("error %s: unexpected error while serving a request", error_id, exc_info=e)
     return internal_error(f"Internal server error (error id {error_id}).")
+
+
+# HTTP status -> Anthropic's error type
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def anthropic_error(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(e.status, e.message), status_code=e.status, headers=e.headers)

@@ -12,30 +12,39 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from axon.entrypoints.openai.errors import OpenAIError
+from axon.entrypoints.openai.errors import OpenAIError, anthropic_error
 
 
 class AuthMiddleware:
-    """``Authorization: Bearer KEY`` on every /v1 route (vLLM leaves /health, /metrics etc. open)."""
+    """``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on every /v1 route
+    (vLLM leaves /health, /metrics etc. open)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _is_v1(scope["path"]):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        if bearer_ok or hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key):
             await self.app(scope, receive, send)
             return
         error = OpenAIError(
-            "Incorrect or missing API key: pass it as 'Authorization: Bearer KEY'.",
+            "Incorrect or missing API key: pass it as 'Authorization: Bearer KEY' (or 'x-api-key: KEY').",
             HTTPStatus.UNAUTHORIZED,
             code="invalid_api_key",
         )
-        await error.response()(scope, receive, send)
+        answer = anthropic_error(error) if is_anthropic_path(scope["path"]) else error.response()
+        await answer(scope, receive, send)
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Anthropic's Messages API, whose errors have Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def _is_v1(path: str) -> bool:

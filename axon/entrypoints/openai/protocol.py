@@ -233,6 +233,47 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
+# ---- responses (axon/entrypoints/openai/serving_responses.py reads the items) ----------------
+class ResponsesRequest(RequestModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": "low" | "medium" | "high", "summary": ...}
+    previous_response_id: str | None = None
+    store: bool | None = True
+    stream: bool | None = False
+    background: bool | None = False
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+
+# ---- Anthropic messages (axon/entrypoints/openai/serving_messages.py reads the blocks) -------
+class CountTokensRequest(RequestModel):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = False
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # accepted; a reasoning parser decides what is thinking
+
+
 # ---- completions -----------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
     prompt: list[int] | list[list[int]] | str | list[str]

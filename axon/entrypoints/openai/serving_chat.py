@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pydantic
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -45,12 +46,67 @@ from axon.sampling_params import SamplingParams
 from axon.structured_output.backend_xgrammar import validate_structured_outputs
 
 
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request running in the engine, for the endpoint that shapes its answer (chat
+    completions here; the Responses and Messages APIs translate to a chat and read it too)."""
+
+    request_id: str
+    stream: OutputStream
+    params: SamplingParams
+    num_prompt_tokens: int
+    ticket: Ticket
+    parser: ChatOutputParser
+
+
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        run = await self.start_chat(request, raw_request, f"chatcmpl-{request.request_id or random_uuid()}")
+        if request.stream:
+            chunks = self._stream(
+                request, run.request_id, run.stream, run.params, run.num_prompt_tokens, run.ticket, run.parser
+            )
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        try:
+            return await self._full(
+                request, run.request_id, run.stream, run.params, run.num_prompt_tokens, run.parser
+            )
+        finally:
+            run.ticket.release()
+
+    async def start_chat(
+        self, request: ChatCompletionRequest, raw_request: Request | None, request_id: str
+    ) -> ChatRun:
+        """Check, render and admit ``request`` and start it in the engine. The caller releases
+        ``ticket`` when done; ``raw_request`` (None for a streamed or background answer) aborts
+        the request if its client leaves."""
         self.check_model(request.model)
         self.check_accepting()
         self.check_unsupported(request)
         _check_chat_unsupported(request)
+        prompt_token_ids, images, plan = await self.chat_prompt(request)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        self.check_length(len(prompt_token_ids), max_tokens, "messages")
+        params = self.sampling_params(request, max_tokens, _num_logprobs(request))
+        _constrain_tool_calls(params, plan)
+        parser = ChatOutputParser(plan, self._reasoning_parser())
+        if parser.needs_special_tokens:  # the parsers read markers that are special tokens
+            params.skip_special_tokens = False
+        self.validate(prompt_token_ids, params)
+        self.log_request(request_id, None, prompt_token_ids, params)
+        ticket = self.ctx.admission.admit(params.n)
+        try:
+            watch = None if request.stream else raw_request
+            stream = self.open_stream(request_id, [prompt_token_ids], params, watch, images)
+        except Exception:
+            ticket.release()
+            raise
+        return ChatRun(request_id, stream, params, len(prompt_token_ids), ticket, parser)
+
+    async def chat_prompt(
+        self, request: ChatCompletionRequest
+    ) -> tuple[list[int], list[Any] | None, ToolPlan]:
+        """The request's prompt token ids (images expanded), its images and its tool plan."""
         plan = plan_tools(request, self.ctx.enable_auto_tool_choice, self.ctx.tool_call_parser)
         _, prompt_token_ids, image_urls = await self.render_chat(
             request.messages,
@@ -67,31 +123,41 @@ class OpenAIServingChat(OpenAIServing):
                 )
             prompt_token_ids = prompt_token_ids[-request.truncate_prompt_tokens :]
         prompt_token_ids, images = await self.expand_images(prompt_token_ids, image_urls)
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        self.check_length(len(prompt_token_ids), max_tokens, "messages")
-        params = self.sampling_params(request, max_tokens, _num_logprobs(request))
-        _constrain_tool_calls(params, plan)
-        parser = ChatOutputParser(plan, self._reasoning_parser())
-        if parser.needs_special_tokens:  # the parsers read markers that are special tokens
-            params.skip_special_tokens = False
-        self.validate(prompt_token_ids, params)
-        request_id = f"chatcmpl-{request.request_id or random_uuid()}"
-        self.log_request(request_id, None, prompt_token_ids, params)
-        ticket = self.ctx.admission.admit(params.n)
+        return prompt_token_ids, images, plan
+
+    async def deltas(self, run: ChatRun) -> AsyncIterator[tuple[DeltaMessage, ChoiceState]]:
+        """The first choice's answer as parsed deltas (content, reasoning, tool calls), each with
+        the choice's state so far (its finish reason, as OpenAI reports it, on the last)."""
+        state, streamer = ChoiceState(), ChoiceStreamer(run.parser)
         try:
-            stream = self.open_stream(
-                request_id, [prompt_token_ids], params, None if request.stream else raw_request, images
-            )
-        except Exception:
-            ticket.release()
-            raise
-        if request.stream:
-            chunks = self._stream(request, request_id, stream, params, len(prompt_token_ids), ticket, parser)
-            return StreamingResponse(chunks, media_type="text/event-stream")
+            async for _, output in run.stream:
+                for c in output.outputs:
+                    state.add(c)
+                    if run.parser.is_plain:
+                        yield DeltaMessage(content=c.text), state
+                        continue
+                    parsed = _parsed_chunk(streamer, c, run.parser)
+                    if parsed is not None:
+                        delta, finish = parsed
+                        if finish is not None:
+                            state.finish_reason = finish.finish_reason
+                        yield delta, state
+        except ServerShutdown:
+            state.finish_reason = state.finish_reason or "abort"
+            yield DeltaMessage(), state
+
+    async def message(self, run: ChatRun) -> tuple[ChatCompletionMessage, ChoiceState]:
+        """The first choice's whole answer: its message and state (finish reason as OpenAI's)."""
+        state = ChoiceState()
         try:
-            return await self._full(request, request_id, stream, params, len(prompt_token_ids), parser)
-        finally:
-            ticket.release()
+            async for _, output in run.stream:
+                for completion in output.outputs:
+                    state.add(completion)
+        except ServerShutdown:
+            state.finish_reason = state.finish_reason or "abort"
+        message = _message(state.text, run.parser)
+        state.finish_reason = _finish_reason(state.finish_reason, len(message.tool_calls), run.parser)
+        return message, state
 
     async def _full(
         self,
@@ -248,6 +314,24 @@ class _ChunkMaker:
             usage=usage(self.num_prompt_tokens, states),
         )
         return sse(response.model_dump_json())
+
+
+def make_chat_request(fields: dict[str, Any], param: str) -> ChatCompletionRequest:
+    """A chat request built from another API's (Responses, Messages): a field that does not
+    check is a 400 naming it, ``param`` the request field it came from."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except pydantic.ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise bad_request(f"Invalid request: {problems}", param=param) from None
+
+
+def required_string(item: dict[str, Any], key: str, where: str, param: str) -> str:
+    """``item[key]``, which another API's request must give as a string (a 400 naming it if not)."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{key} must be a string, got {value!r}", param=param)
+    return value
 
 
 def _constrain_tool_calls(params: SamplingParams, plan: ToolPlan) -> None:
