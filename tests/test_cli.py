@@ -86,6 +86,9 @@ def test_chat_flags_keep_vllm_names() -> None:
         (None, "/v1/chat/completions", ("openai-chat", "/v1/chat/completions")),
         ("openai-chat", "/v1/chat/completions", ("openai-chat", "/v1/chat/completions")),
         ("openai", "/proxy/v1/completions", ("openai", "/proxy/v1/completions")),
+        ("openai-responses", None, ("openai-responses", "/v1/responses")),
+        (None, "/v1/responses", ("openai-responses", "/v1/responses")),
+        (None, "/v1/messages", ("anthropic-messages", "/v1/messages")),
     ],
 )
 def test_bench_backend_and_endpoint_pair_as_in_vllm(
@@ -96,7 +99,12 @@ def test_bench_backend_and_endpoint_pair_as_in_vllm(
 
 @pytest.mark.parametrize(
     ("backend", "endpoint"),
-    [("openai-chat", "/v1/completions"), ("openai", "/v1/chat/completions"), (None, "v1/completions")],
+    [
+        ("openai-chat", "/v1/completions"),
+        ("openai", "/v1/chat/completions"),
+        (None, "v1/completions"),
+        ("anthropic-messages", "/v1/responses"),
+    ],
 )
 def test_bench_backend_and_endpoint_mismatch_is_refused(backend: str | None, endpoint: str) -> None:
     with pytest.raises(ValueError, match="--endpoint"):

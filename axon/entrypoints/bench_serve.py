@@ -40,6 +40,23 @@ BACKEND_ENDPOINTS = {
     "openai": "/v1/completions",
     "vllm": "/v1/completions",
     "openai-chat": "/v1/chat/completions",
+    "openai-responses": "/v1/responses",
+    "anthropic-messages": "/v1/messages",
+}
+# --endpoint-type -> the backend that speaks it
+ENDPOINT_TYPES = {
+    "completions": "openai",
+    "chat": "openai-chat",
+    "responses": "openai-responses",
+    "messages": "anthropic-messages",
+}
+# The end of each backend's path (what a given --endpoint must end with).
+_PATH_ENDS = {
+    "openai": "completions",
+    "vllm": "completions",
+    "openai-chat": "chat/completions",
+    "openai-responses": "responses",
+    "anthropic-messages": "messages",
 }
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {
@@ -79,8 +96,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--backend",
         default=None,
         choices=tuple(BACKEND_ENDPOINTS),
-        help="vLLM's names: openai or vllm send completions, openai-chat chat completions "
-        "(default: what --endpoint is, else openai)",
+        help="vLLM's names: openai or vllm send completions, openai-chat chat completions; "
+        "openai-responses the Responses API, anthropic-messages Anthropic's Messages API "
+        "(default: what --endpoint or --endpoint-type is, else openai)",
+    )
+    g.add_argument(
+        "--endpoint-type",
+        default=None,
+        choices=tuple(ENDPOINT_TYPES),
+        help="the API to load: completions, chat, responses or messages (sets --backend)",
     )
     g.add_argument(
         "--endpoint",
@@ -141,23 +165,31 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.dataset_name == "jsonl" and not args.dataset_path:
         raise ValueError("--dataset-name jsonl needs --dataset-path")
     parse_percentiles(args.metric_percentiles)
+    if args.endpoint_type is not None:
+        typed = ENDPOINT_TYPES[args.endpoint_type]
+        if args.backend is not None and args.backend != typed:
+            raise ValueError(f"--endpoint-type {args.endpoint_type} is --backend {typed}, not {args.backend}")
+        args.backend = typed
     args.backend, args.endpoint = resolve_backend(args.backend, args.endpoint)
 
 
 def resolve_backend(backend: str | None, endpoint: str | None) -> tuple[str, str]:
     """(backend, endpoint) from either or both, as vLLM pairs them: a chat backend posts to a
-    path ending in chat/completions, a completions backend to one ending in completions."""
+    path ending in chat/completions, a completions backend to one ending in completions (and
+    the Responses and Messages backends to paths ending in responses and messages)."""
     if endpoint is not None and not endpoint.startswith("/"):
         raise ValueError(f"--endpoint must be a path such as /v1/completions, got {endpoint!r}")
     path = (endpoint or "").rstrip("/")
-    is_chat = path.endswith("chat/completions")
     if backend is None:
-        backend = "openai-chat" if is_chat else "openai"
+        # the longest matching end decides: chat/completions before completions
+        ends = sorted(((end, b) for b, end in _PATH_ENDS.items() if b != "vllm"), key=lambda e: -len(e[0]))
+        backend = next((b for end, b in ends if path.endswith(end)), "openai")
     if endpoint is None:
         return backend, BACKEND_ENDPOINTS[backend]
-    fits = is_chat if backend == "openai-chat" else path.endswith("completions") and not is_chat
+    end = _PATH_ENDS[backend]
+    fits = path.endswith(end) and (backend == "openai-chat" or not path.endswith("chat/completions"))
     if not fits:
-        want = "chat/completions" if backend == "openai-chat" else "completions (not chat/completions)"
+        want = end if backend != "openai" and backend != "vllm" else "completions (not chat/completions)"
         raise ValueError(f"--backend {backend} posts to a path ending in {want}; --endpoint is {endpoint!r}")
     return backend, endpoint
 
@@ -296,7 +328,13 @@ def build_payload(backend: str, model: str, req: SampleRequest, args: argparse.N
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if backend == "openai-chat":
+    if backend == "openai-responses":  # usage comes with response.completed
+        del payload["max_tokens"], payload["stream_options"]
+        payload.update(input=req.prompt, max_output_tokens=req.output_len)
+    elif backend == "anthropic-messages":  # usage comes with message_delta
+        del payload["stream_options"]
+        payload["messages"] = [{"role": "user", "content": req.prompt}]
+    elif backend == "openai-chat":
         payload["messages"] = [{"role": "user", "content": req.prompt}]
     else:
         payload["prompt"] = req.prompt
@@ -306,6 +344,11 @@ def build_payload(backend: str, model: str, req: SampleRequest, args: argparse.N
 
 
 def chunk_text(chunk: dict[str, Any]) -> str:
+    kind = chunk.get("type")
+    if kind == "response.output_text.delta":  # the Responses API
+        return chunk.get("delta") or ""
+    if kind == "content_block_delta":  # Anthropic's Messages API
+        return (chunk.get("delta") or {}).get("text") or ""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
@@ -342,11 +385,12 @@ async def send_request(
                 return result
             async for data in sse_events(response):
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = f"error in stream: {json.dumps(chunk['error'])[:500]}"
+                if "error" in chunk or chunk.get("type") in ("error", "response.failed"):
+                    result.error = f"error in stream: {json.dumps(chunk)[:500]}"
                     return result
-                if usage := chunk.get("usage"):
-                    usage_tokens = usage.get("completion_tokens", usage_tokens)
+                usage = chunk.get("usage") or (chunk.get("response") or {}).get("usage")
+                if usage:
+                    usage_tokens = usage.get("completion_tokens", usage.get("output_tokens", usage_tokens))
                 if text := chunk_text(chunk):
                     now = time.perf_counter()
                     if not text_parts:

@@ -187,3 +187,25 @@ def test_x_api_key_and_bearer_auth(server: ServerProcess, model: str) -> None:
         and "error" in unauthorized.json()
         and "type" not in unauthorized.json()
     )
+
+
+def test_axon_bench_serve_loads_the_messages_api(model: str, tmp_path) -> None:
+    """``axon bench serve --endpoint-type messages`` against a server without a key."""
+    import json
+    import subprocess
+    import sys
+
+    server = ServerProcess()
+    try:
+        server.wait_ready()
+        result = tmp_path / "result.json"
+        cmd = [sys.executable, "-m", "axon.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+               "--endpoint-type", "messages", "--num-prompts", "4", "--random-input-len", "16",
+               "--random-output-len", "5", "--ignore-eos", "--disable-tqdm", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", result.name]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    finally:
+        server.stop()
+    r = json.loads(result.read_text())
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (4, 0, 20)
+    assert r["backend"] == "anthropic-messages" and r["endpoint"] == "/v1/messages"

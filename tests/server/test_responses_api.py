@@ -211,3 +211,22 @@ def test_bad_input_is_a_400_and_the_server_goes_on(client: openai.OpenAI, kwargs
     assert (
         client.responses.create(model=_model(client), input="Hi", max_output_tokens=2).output_text is not None
     )
+
+
+@pytest.mark.parametrize("endpoint_type", ["responses", "chat"])
+def test_axon_bench_serve_loads_the_responses_api(
+    server: ServerProcess, endpoint_type: str, tmp_path
+) -> None:
+    """``axon bench serve --endpoint-type responses`` counts what the server streams."""
+    import subprocess
+    import sys
+
+    result = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "axon.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+           "--endpoint-type", endpoint_type, "--num-prompts", "4", "--random-input-len", "16",
+           "--random-output-len", "5", "--ignore-eos", "--disable-tqdm", "--save-result",
+           "--result-dir", str(tmp_path), "--result-filename", result.name]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    r = json.loads(result.read_text())
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (4, 0, 20)
+    assert r["endpoint"] == {"responses": "/v1/responses", "chat": "/v1/chat/completions"}[endpoint_type]
