@@ -65,6 +65,10 @@ class ModelConfig:
     limit_mm_per_prompt: dict[str, Any] | None = None
     """Multimodal models, JSON: the most items of each modality one prompt may hold, {"image": N};
     None: 8 images."""
+    enable_prompt_embeds: bool = False
+    """Accept prompts given as embeddings (vLLM's flag): offline {"prompt_embeds": tensor
+    [num_tokens, hidden]}, on the server a completion's prompt_embeds (base64 of torch.save).
+    They replace the embedding layer's output for the prompt; decoder models only."""
     skip_tokenizer_init: bool = False
     """Load no tokenizer (vLLM's flag), for model folders without one: prompts are token ids
     ({"prompt_token_ids": [...]}, or a completion's list of ids) and outputs carry token ids

@@ -30,6 +30,8 @@ class NewRequestData:
     window_block_ids: list[int] = field(default_factory=list)
     # A multimodal prompt's images (engine.messages.ImageInput), None: none.
     images: list[Any] | None = None
+    # A prompt given as embeddings (multimodal.inputs.PromptEmbeds), None: tokens.
+    prompt_embeds: Any = None
 
 
 @dataclass

@@ -96,6 +96,7 @@ class Request:
         pooling_params: EnginePoolingParams | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         images: list[Any] | None = None,
+        prompt_embeds: Any = None,
     ) -> None:
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert (sampling_params is None) != (pooling_params is None), "one of sampling or pooling"
@@ -112,6 +113,7 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.kv_load_failed = False  # a connector's load failed once: never try it again
         self.images = images  # a multimodal prompt's images (messages.ImageInput), for the worker
+        self.prompt_embeds = prompt_embeds  # a prompt given as embeddings (inputs.PromptEmbeds)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []

@@ -350,6 +350,7 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(req.req_id),
                     window_block_ids=self.kv_cache_manager.get_window_block_ids(req.req_id),
                     images=req.images,
+                    prompt_embeds=req.prompt_embeds,
                     num_computed_tokens=req.num_computed_tokens,
                     pooling_params=req.pooling_params,
                 )

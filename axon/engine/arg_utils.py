@@ -60,6 +60,7 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     # An unsupported architecture fails here, early.
     model_class = resolve_model_class(hf.get("architectures"))
     runner = _resolve_runner(m.runner, model_class, hf)
+    _check_prompt_embeds(config, model_class, hf, runner)
     _check_encoder_disaggregation(config, model_class, hf)
     config = _resolve_attention_dp(config, runner)
     _check_tensor_parallel(config, model_class, hf)
@@ -147,6 +148,22 @@ def _resolve_kv_transfer(config: AxonConfig, runner: str) -> KVTransferConfig:
     raw = dict(kv.kv_transfer_config or {})
     raw.setdefault("engine_id", settings.engine_id)
     return replace(kv, kv_transfer_config=raw)
+
+
+def _check_prompt_embeds(config: AxonConfig, model_class: type, hf: dict[str, Any], runner: str) -> None:
+    if not config.model_config.enable_prompt_embeds:
+        return
+    from axon.model.models.llama import LlamaForCausalLM
+
+    why = None
+    if runner != "generate" or not issubclass(model_class, LlamaForCausalLM):
+        why = f"{model_class.__name__} does not take them (decoder language models do)"
+    elif "vision_config" in hf:
+        why = "a multimodal model's prompts carry images instead"
+    elif config.speculative_config.speculative_config is not None:
+        why = "speculative decoding drafts from token ids, which such a prompt does not have"
+    if why is not None:
+        raise ValueError(f"enable_prompt_embeds is not supported here: {why}")
 
 
 def _check_encoder_disaggregation(config: AxonConfig, model_class: type, hf: dict[str, Any]) -> None:

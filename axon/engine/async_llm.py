@@ -54,6 +54,7 @@ from axon.engine.core_proc import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     HEARTBEAT,
     OUTPUTS,
+    UTILITY,
     decode_outputs,
     encode,
 )
@@ -103,6 +104,8 @@ class AsyncLLM:
         remote = {core.index: core for core in self.cores if isinstance(core, RemoteEngineCore)}
         self._handshake = HandshakeServer(self._ctx, config.parallel_config, remote) if remote else None
         self._tasks: list[asyncio.Task[None]] = []  # output loops, the handshake server
+        self._utility_calls: dict[int, asyncio.Future[Any]] = {}  # call id -> its answer
+        self._call_ids = itertools.count()
 
     def _make_cores(self, config: AxonConfig) -> list[EngineCoreHandle]:
         """Ranks 0..L-1 (--data-parallel-size-local) run here, the others on other hosts."""
@@ -172,6 +175,19 @@ class AsyncLLM:
                 return problem
         return None
 
+    async def call_utility(self, method: str) -> list[Any]:
+        """``EngineCore.<method>()`` on every core, between their steps; the results by core."""
+        if self.errored:
+            raise EngineDeadError(self.dead_error or "the engine core is not running")
+        loop = asyncio.get_running_loop()
+        calls = []
+        for core in self.cores:
+            call_id = next(self._call_ids)
+            self._utility_calls[call_id] = future = loop.create_future()
+            calls.append(future)
+            await core.input.send_multipart(encode(UTILITY, [call_id, method]))
+        return list(await asyncio.gather(*calls))
+
     # ---- requests ----------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -195,8 +211,7 @@ class AsyncLLM:
         if self.errored:
             raise EngineDeadError(self.dead_error or "the engine core is not running")
         request_id = f"{request_id or 'req'}-{next(self._counter)}"
-        text, prompt_token_ids, images = self.input_processor.tokenize_multimodal(prompt)
-        children = self.input_processor.process_n(request_id, prompt_token_ids, params, images)
+        text, prompt_token_ids, children = self.input_processor.process(request_id, prompt, params)
         self.output_processor.check_new_ids([c.req_id for c in children])
         frames = [encode(ADD, child) for child in children]
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -308,6 +323,11 @@ class AsyncLLM:
                     return
                 if kind == OUTPUTS:
                     await self._process_outputs(core, decode_outputs(payload))
+                elif kind == UTILITY:
+                    call_id, result = msgspec.msgpack.decode(payload)
+                    future = self._utility_calls.pop(call_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(result)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must fail requests, not hang them
@@ -356,6 +376,10 @@ class AsyncLLM:
         logger.error("%s died: %s", core.name, error)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(self.dead_error))
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(self.dead_error))
+        self._utility_calls.clear()
 
     async def watch_process(self) -> None:
         """Turn a silent death of a core (a local process killed or crashed; a remote core

@@ -99,6 +99,7 @@ class EngineCore:
                 pooling_params=request.pooling_params,
                 kv_transfer_params=request.kv_transfer_params,
                 images=request.images,
+                prompt_embeds=request.prompt_embeds,
             )
         )
 
@@ -192,6 +193,13 @@ class EngineCore:
         compiles = self.executor.compile_pending()
         self._unreported_compiles += compiles
         return bool(compiles)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's /reset_prefix_cache); False while a running
+        request holds blocks (nothing is changed then)."""
+        done = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
 
     def check_health(self) -> None:
         """Raise the executor's error if a worker has died (the loop calls it while idle)."""

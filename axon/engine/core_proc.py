@@ -1,8 +1,10 @@
 """The engine-core process: EngineCore behind two ZMQ sockets, as in vLLM V1.
 
     front end (server process)                 engine-core process
-    PUSH --(ADD / ABORT / SHUTDOWN)--> input   PULL   loop: drain input, step, send outputs
-    PULL <--(OUTPUTS / READY / DEAD)-- output  PUSH
+    PUSH --(ADD / ABORT / UTILITY /    input   PULL   loop: drain input, step, send outputs
+            SHUTDOWN)------------->
+    PULL <--(OUTPUTS / READY / DEAD /  output  PUSH
+            UTILITY)---------------
          <--(HEARTBEAT)--------------- output  PUSH   (its own socket, on a heartbeat thread)
 
 Messages are msgspec-encoded ``(kind, payload)`` pairs. The loop blocks on the input socket
@@ -39,8 +41,11 @@ from axon.startup import configure_logging
 
 logger = logging.getLogger(__name__)
 
-ADD, ABORT, SHUTDOWN = b"ADD", b"ABORT", b"SHUTDOWN"
+ADD, ABORT, SHUTDOWN, UTILITY = b"ADD", b"ABORT", b"SHUTDOWN", b"UTILITY"
 READY, OUTPUTS, DEAD, HEARTBEAT = b"READY", b"OUTPUTS", b"DEAD", b"HEARTBEAT"
+# The engine core's methods the front end may call between steps (UTILITY [call id, method]),
+# each answered with UTILITY [call id, result].
+UTILITY_METHODS = frozenset({"reset_prefix_cache"})
 HEARTBEAT_INTERVAL_S = 1.0
 # Silence after which the front end calls the core stalled: many missed heartbeats, so a busy
 # machine or a long compile (which still lets the heartbeat thread run) does not trip it.
@@ -167,6 +172,10 @@ def _loop(core: Any, inp: zmq.Socket, out: zmq.Socket, step: Callable[[], Engine
                 return
             if kind == ADD:
                 core.add_request(decode_request(payload))
+            elif kind == UTILITY:
+                call_id, method = msgspec.msgpack.decode(payload)
+                assert method in UTILITY_METHODS, f"not a utility method: {method!r}"
+                out.send_multipart(encode(UTILITY, [call_id, getattr(core, method)()]))
             elif kind == ABORT:
                 core.abort_requests(msgspec.msgpack.decode(payload))
                 # Report the freed KV at once, even if no step follows.

@@ -99,6 +99,9 @@ class EncoderEngineCore:
         report_startup_once(self, stats)
         return stats
 
+    def reset_prefix_cache(self) -> bool:
+        return True  # no KV cache
+
     def compile_pending(self) -> bool:
         return False  # the tower runs eagerly
 

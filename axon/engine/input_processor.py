@@ -6,6 +6,7 @@ Every check on user input lives here, before any engine state changes: a bad req
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ import msgspec
 from axon.config import ModelConfig
 from axon.engine.messages import EngineCoreRequest
 from axon.engine.tokenizer import NO_TOKENIZER
-from axon.multimodal.inputs import ImageInput
+from axon.multimodal.inputs import ImageInput, PromptEmbeds
 from axon.multimodal.prompts import ImagePrompts
 from axon.sampling_params import UINT64_MAX, EngineSamplingParams, SamplingParams
 from axon.structured_output.backend_xgrammar import validate_structured_outputs
@@ -29,6 +30,8 @@ class InputProcessor:
         self.max_model_len = model_config.max_model_len
         self.max_logprobs = model_config.max_logprobs
         self.vocab_size = int(model_config.hf_config["vocab_size"])
+        self.enable_prompt_embeds = model_config.enable_prompt_embeds
+        self.hidden_size = int(model_config.hf_config.get("hidden_size") or 0)
         self.tokenizer = tokenizer
         self.eos_token_id = (
             tokenizer.eos_token_id if tokenizer is not None else _config_eos(model_config.hf_config)
@@ -40,6 +43,18 @@ class InputProcessor:
             model_config.limit_mm_per_prompt,
             model_config.allowed_local_media_path,
         )
+
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
+        """A prompt (text, token ids, with images, or as embeddings) -> its text, its token ids
+        (a prompt given as embeddings has placeholders) and its validated core requests."""
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            embeds = self.prompt_embeds(prompt)
+            token_ids = [0] * embeds.num_tokens
+            return None, token_ids, self.process_n(request_id, token_ids, params, prompt_embeds=embeds)
+        text, token_ids, images = self.tokenize_multimodal(prompt)
+        return text, token_ids, self.process_n(request_id, token_ids, params, images)
 
     def tokenize_multimodal(
         self, prompt: PromptType
@@ -65,6 +80,37 @@ class InputProcessor:
         images = [] if images is None else list(images) if isinstance(images, list | tuple) else [images]
         token_ids, inputs = self.images.expand(token_ids, images)
         return text, token_ids, inputs or None
+
+    def prompt_embeds(self, prompt: dict[str, Any]) -> PromptEmbeds:
+        """A ``{"prompt_embeds": tensor [num_tokens, hidden]}`` prompt's embeddings, checked."""
+        import torch
+
+        embeds = prompt["prompt_embeds"]
+        if not self.enable_prompt_embeds:
+            raise ValueError(
+                "prompt_embeds needs the engine started with enable_prompt_embeds (--enable-prompt-embeds)"
+            )
+        others = sorted(set(prompt) - {"prompt_embeds"})
+        if others:
+            raise ValueError(f"a prompt_embeds prompt takes nothing else, got {others}")
+        if not isinstance(embeds, torch.Tensor):
+            raise ValueError(  # noqa: TRY004 (a bad request: every input error is a ValueError)
+                f"prompt_embeds must be a torch.Tensor [num_tokens, hidden], got {type(embeds).__name__}"
+            )
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        if embeds.dim() != 2 or embeds.shape[0] == 0 or embeds.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"prompt_embeds must have shape [num_tokens, {self.hidden_size}] (the model's hidden size), "
+                f"got {list(embeds.shape)}"
+            )
+        if embeds.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"prompt_embeds must be float32, bfloat16 or float16, got {embeds.dtype}")
+        if not bool(torch.isfinite(embeds).all()):
+            raise ValueError("prompt_embeds holds NaN or infinite values")
+        data = embeds.detach().to("cpu").contiguous()
+        raw = data.view(torch.int16) if data.dtype == torch.bfloat16 else data
+        return PromptEmbeds(raw.numpy().tobytes(), str(data.dtype).removeprefix("torch."), *data.shape)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids)."""
@@ -97,6 +143,7 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         images: list[ImageInput] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> list[EngineCoreRequest]:
         """One core request per sample of ``params.n``, all validated before any is returned.
 
@@ -104,16 +151,26 @@ class InputProcessor:
         (wrapped into the seed's uint64 range).
         """
         engine_params = self.engine_params(prompt_token_ids, params)
+        if prompt_embeds is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs cannot be computed for a prompt given as embeddings")
         kv_transfer_params = _kv_transfer_params(params)
         if images is not None and kv_transfer_params is not None:
             raise ValueError("kv_transfer_params cannot carry a prompt's images")
         if params.n == 1:
-            return [self._request(request_id, prompt_token_ids, engine_params, kv_transfer_params, images)]
+            return [
+                self._request(
+                    request_id, prompt_token_ids, engine_params, kv_transfer_params, images, prompt_embeds
+                )
+            ]
         if kv_transfer_params is not None:
             raise ValueError(f"kv_transfer_params needs n=1 (one sequence per transfer), got n={params.n}")
         return [
             self._request(
-                f"{index}_{request_id}", prompt_token_ids, _child_params(engine_params, index), images=images
+                f"{index}_{request_id}",
+                prompt_token_ids,
+                _child_params(engine_params, index),
+                images=images,
+                prompt_embeds=prompt_embeds,
             )
             for index in range(params.n)
         ]
@@ -149,7 +206,11 @@ class InputProcessor:
         params: EngineSamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
         images: list[ImageInput] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> EngineCoreRequest:
+        salt = "images:" + ",".join(i.digest for i in images) if images else None
+        if prompt_embeds is not None:  # its placeholder ids hit only the same embeddings
+            salt = "embeds:" + hashlib.sha256(prompt_embeds.data).hexdigest() + prompt_embeds.dtype
         return EngineCoreRequest(
             req_id=req_id,
             prompt_token_ids=prompt_token_ids,
@@ -158,9 +219,10 @@ class InputProcessor:
             arrival_time=time.time(),
             # The images' digests join the prefix-cache keys (as a salt of the first block, which
             # every later block's hash chains on): the same text with another image never hits.
-            cache_salt="images:" + ",".join(i.digest for i in images) if images else None,
+            cache_salt=salt,
             kv_transfer_params=kv_transfer_params,
             images=images,
+            prompt_embeds=prompt_embeds,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

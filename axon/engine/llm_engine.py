@@ -41,8 +41,7 @@ class LLMEngine:
     ) -> str:
         """Validate and enqueue one request (n children when params.n > 1). Raises ValueError."""
         request_id = request_id if request_id is not None else str(next(self._counter))
-        text, prompt_token_ids, images = self.input_processor.tokenize_multimodal(prompt)
-        children = self.input_processor.process_n(request_id, prompt_token_ids, params, images)
+        text, prompt_token_ids, children = self.input_processor.process(request_id, prompt, params)
         self.output_processor.check_new_ids([c.req_id for c in children])
         parent = ParentRequest(request_id, text, prompt_token_ids, params.n, output_kind)
         for index, core_request in enumerate(children):

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from axon.multimodal.inputs import ImageInput
+from axon.multimodal.inputs import ImageInput, PromptEmbeds
 from axon.pooling_params import EnginePoolingParams
 from axon.sampling_params import EngineSamplingParams
 from axon.step_outputs import EngineCoreOutput, SchedulerStats
@@ -33,6 +33,8 @@ class EngineCoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     kv_transfer_params: dict[str, Any] | None = None
     # A multimodal model's images, in prompt order (None: none).
     images: list[ImageInput] | None = None
+    # A prompt given as embeddings (its prompt_token_ids are placeholders); None: tokens.
+    prompt_embeds: PromptEmbeds | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct):

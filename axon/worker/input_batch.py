@@ -33,6 +33,8 @@ class CachedRequestState:
     # and positions (worker/multimodal.py: RequestImages).
     images: list[Any] | None = None
     encoded_images: Any = None
+    # A prompt given as embeddings: [prompt length, hidden] on the device (None: tokens).
+    prompt_embeds: torch.Tensor | None = None
     token_ids: list[int] = field(init=False)  # prompt + output, kept in step
     # A pooling request's hidden states [n, hidden] of the prompt segments computed so far.
     hidden_parts: list[torch.Tensor] = field(default_factory=list)
@@ -109,6 +111,7 @@ class RequestStates:
             block_ids=list(new.block_ids),
             window_block_ids=list(new.window_block_ids),
             images=new.images,
+            prompt_embeds=None if new.prompt_embeds is None else new.prompt_embeds.tensor().to(self.device),
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
             pooling_params=new.pooling_params,

@@ -20,7 +20,7 @@ from axon.distributed.parallel_state import get_tp_group
 from axon.forward_context import set_forward_context
 from axon.kv_transfer.ec_connector import ECSharedStorageConnector
 from axon.model.layers.attention import CommonAttentionMetadata, Segment, describe_step
-from axon.model.models.qwen3_vl import ImageRows
+from axon.model.models.llama import EmbedRows
 from axon.model.pooler import finish_embedding, pool
 from axon.sample.grammar import GrammarBitmask
 from axon.sample.logprobs import compute_logprobs, to_lists
@@ -53,7 +53,9 @@ class StepInputs:
     attention: CommonAttentionMetadata | None = None
     attention_rows: torch.Tensor | None = None
     # A multimodal step's image tokens (their features; positions are then [3, T]).
-    images: ImageRows | None = None
+    # Rows whose input embedding is given (images' features, prompt embeddings); such a step
+    # runs eagerly.
+    embeds: EmbedRows | None = None
 
 
 class ModelRunner:
@@ -187,6 +189,7 @@ class ModelRunner:
             for state, images in zip(new, encoded, strict=True):
                 state.encoded_images = images
         image_parts = []  # (a request's images, start, end, its first row)
+        embed_parts = []  # (its first row, its given prompt embeddings for the step's rows)
         image_positions = []  # (its first row, its [3, n] positions)
         for i, req_id in enumerate(req_ids):
             state = self.requests[req_id]
@@ -202,6 +205,10 @@ class ModelRunner:
                 positions += image_positions[-1][1][0].tolist()  # a text token's three are equal
             else:
                 positions += range(start, end)
+            if state.prompt_embeds is not None and start < state.prompt_embeds.shape[0]:
+                embed_parts.append(
+                    (len(token_ids), state.prompt_embeds[start : min(end, state.prompt_embeds.shape[0])])
+                )
             token_ids += state.token_ids[start:known_end] + spec
             segments.append(Segment(state.block_ids, start, end, state.window_block_ids))
             is_decode = is_decode and end - start == len(spec) + 1
@@ -211,8 +218,13 @@ class ModelRunner:
                 drafts.append(spec)
         num_tokens = len(token_ids)
         images = step_images(image_parts, self.device) if image_parts else None
+        embeds = images
+        if embed_parts:
+            assert images is None, "a model takes images or prompt embeddings, not both"
+            rows = torch.cat([torch.arange(r, r + e.shape[0]) for r, e in embed_parts]).to(self.device)
+            embeds = EmbedRows(rows, torch.cat([e for _, e in embed_parts]))
         graph, padded, block_cols = None, num_tokens, None
-        if self.buckets is not None and self.compiler is not None and images is None:
+        if self.buckets is not None and self.compiler is not None and embeds is None:
             target = self.buckets.pad_tokens(num_tokens, is_decode)
             graph = self.compiler.graph_for(target)
             if graph is not None:
@@ -252,7 +264,7 @@ class ModelRunner:
             graph=graph,
             attention=attention,
             attention_rows=attention_rows,
-            images=images,
+            embeds=embeds,
         )
 
     def run_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -260,8 +272,8 @@ class ModelRunner:
         auxiliary hidden states an EAGLE3 head reads (None unless the target returns them)."""
         step = inputs.attn_metadata if inputs.attention is None else inputs.attention
         with set_forward_context(step, self.attention_layers, inputs.attention_rows):
-            if inputs.images is not None:  # eager: a step with image features
-                out = self.model(inputs.input_ids, inputs.positions, images=inputs.images)
+            if inputs.embeds is not None:  # eager: a step with given embeddings
+                out = self.model(inputs.input_ids, inputs.positions, embeds=inputs.embeds)
             else:
                 out = (inputs.graph or self.model)(inputs.input_ids, inputs.positions)
         return out if isinstance(out, tuple) else (out, None)

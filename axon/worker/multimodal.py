@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from axon.kv_transfer.ec_connector import ECSharedStorageConnector, Features
-from axon.model.models.qwen3_vl import ImageRows, mrope_positions
+from axon.model.models.llama import EmbedRows
+from axon.model.models.qwen3_vl import mrope_positions
 
 
 @dataclass
@@ -143,7 +144,7 @@ def _request_images(
     return RequestImages(token_rows, embeds, deepstack, positions, delta, len(prompt_token_ids))
 
 
-def step_images(parts: list[tuple[RequestImages, int, int, int]], device: torch.device) -> ImageRows | None:
+def step_images(parts: list[tuple[RequestImages, int, int, int]], device: torch.device) -> EmbedRows | None:
     """The image tokens of a step's ``parts`` (a request's images, its first and end index this
     step, its first row in the step) as the model takes them; None: the step has none."""
     rows, picks = [], []
@@ -158,4 +159,4 @@ def step_images(parts: list[tuple[RequestImages, int, int, int]], device: torch.
     embeds = torch.cat([im.embeds[idx] for im, idx in picks])
     num_deepstack = len(picks[0][0].deepstack)
     deepstack = [torch.cat([im.deepstack[k][idx] for im, idx in picks]) for k in range(num_deepstack)]
-    return ImageRows(torch.cat(rows).to(device), embeds, deepstack)
+    return EmbedRows(torch.cat(rows).to(device), embeds, deepstack)

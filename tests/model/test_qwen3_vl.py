@@ -15,7 +15,8 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from axon import LLM, SamplingParams
-from axon.model.models.qwen3_vl import ImageRows, mrope_positions
+from axon.model.models.llama import EmbedRows
+from axon.model.models.qwen3_vl import mrope_positions
 from axon.multimodal.image import ImageProcessorConfig, process_image
 from axon.worker.logit_validation import teacher_forced_logits
 
@@ -118,7 +119,7 @@ def test_logits_with_zero_one_and_two_images_are_transformers(
             if pick.numel() == 0:
                 return {}
             deep = [d[pick] for d in vision.deepstack]
-            return {"images": ImageRows(rows[pick] - start, vision.embeds[pick], deep)}
+            return {"embeds": EmbedRows(rows[pick] - start, vision.embeds[pick], deep)}
 
     for segment in (None, 7):
         got = teacher_forced_logits(

@@ -255,3 +255,40 @@ def test_metrics_count_pooling_requests(embed_server: ServerProcess) -> None:
     assert 'finished_reason="stop"' in httpx.get(embed_server.url + "/metrics").text
     models = embed_server.client().models.list()
     assert [m.id for m in models.data] == ["minilm"]
+
+
+def test_rerank_and_pooling_routes(embed_server: ServerProcess, reference) -> None:
+    """/rerank (and /v1, /v2) ranks documents by /score's scores; /pooling gives the embeddings."""
+    query, documents = (
+        "What is a fox?",
+        ["A fox is an animal.", "Paris is in France.", {"text": "Foxes run."}],
+    )
+    scores = httpx.post(
+        embed_server.url + "/score",
+        json={
+            "model": "minilm",
+            "text_1": query,
+            "text_2": ["A fox is an animal.", "Paris is in France.", "Foxes run."],
+        },
+    ).json()["data"]
+    expected = sorted(range(3), key=lambda i: -scores[i]["score"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = httpx.post(
+            embed_server.url + path, json={"query": query, "documents": documents, "top_n": 2}
+        ).json()
+        assert [r["index"] for r in body["results"]] == expected[:2]
+        assert body["results"][0]["relevance_score"] == pytest.approx(scores[expected[0]]["score"])
+        assert body["results"][0]["document"]["text"] in ("A fox is an animal.", "Foxes run.")
+        assert body["usage"]["total_tokens"] > 0 and body["id"].startswith("rerank-")
+    bad = httpx.post(embed_server.url + "/rerank", json={"query": "q", "documents": [{"txt": 1}]})
+    assert bad.status_code == 400 and "documents[0]" in bad.json()["error"]["message"]
+    pooled = httpx.post(embed_server.url + "/pooling", json={"input": ["Hello world"]}).json()
+    vec = np.asarray(pooled["data"][0]["data"])
+    ref = reference.encode(["Hello world"])[0]
+    assert pooled["data"][0]["object"] == "pooling"
+    assert float(vec @ ref / np.linalg.norm(vec) / np.linalg.norm(ref)) >= 0.9999
+    classify = httpx.post(embed_server.url + "/classify", json={"input": "x"})
+    assert classify.status_code == 400 and "no classification model" in classify.json()["error"]["message"]
+    # SageMaker's route sends an embedding request where its body says.
+    invoked = httpx.post(embed_server.url + "/invocations", json={"input": "Hello world"}).json()
+    assert np.allclose(invoked["data"][0]["embedding"], vec, atol=1e-6)

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import threading
@@ -36,6 +37,7 @@ from http import HTTPStatus
 from types import FrameType
 from typing import Any
 
+import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,6 +64,9 @@ from axon.entrypoints.openai.protocol import (
     ErrorResponse,
     MessagesRequest,
     ModelList,
+    PoolingResponse,
+    RerankRequest,
+    RerankResponse,
     ResponsesRequest,
     ScoreRequest,
     ScoreResponse,
@@ -351,6 +356,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         servings = state.servings
         return JSONResponse({"server_load": servings.ctx.admission.num_inflight_seqs if servings else 0})
 
+    if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":  # vLLM's development routes
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            servings = state.require_servings()
+            done = all(await servings.ctx.engine.call_utility("reset_prefix_cache"))
+            if not done:
+                raise OpenAIError(
+                    "The prefix cache cannot be reset while requests hold KV blocks; retry when idle.",
+                    HTTPStatus.CONFLICT,
+                    code="prefix_cache_in_use",
+                )
+            return Response(status_code=HTTPStatus.OK)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -399,6 +418,32 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def score(request: ScoreRequest, raw_request: Request) -> Response:
         return _json(await state.require_servings("pooling").score.create_score(request, raw_request))
 
+    @app.post("/rerank", response_model=RerankResponse, responses=_ERRORS)
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=_ERRORS)
+    @app.post("/v2/rerank", response_model=RerankResponse, responses=_ERRORS)
+    async def rerank(request: RerankRequest, raw_request: Request) -> Response:
+        return _json(await state.require_servings("pooling").score.create_rerank(request, raw_request))
+
+    @app.post("/pooling", response_model=PoolingResponse, responses=_ERRORS)
+    async def pooling(request: EmbeddingRequest, raw_request: Request) -> Response:
+        servings = state.require_servings("pooling")
+        return _json(await servings.embedding.create_pooling(request, raw_request))
+
+    @app.post("/classify", responses=_ERRORS)
+    async def classify() -> Response:
+        raise OpenAIError(
+            "This server has no classification model: axon's pooling models are embedding models "
+            "(use /v1/embeddings, /pooling, /score or /rerank).",
+            HTTPStatus.BAD_REQUEST,
+            code="wrong_model_type",
+        )
+
+    @app.post("/invocations", responses=_STREAMS)
+    async def invocations(raw_request: Request) -> Response:
+        """SageMaker's route: the request goes where its body's shape says (messages: chat,
+        prompt: completions, input: embeddings)."""
+        return await _invoke(state, raw_request)
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest) -> Response:
         return _json(await state.require_servings().tokenization.tokenize(request))
@@ -406,6 +451,33 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest) -> Response:
         return _json(state.require_servings().tokenization.detokenize(request))
+
+
+async def _invoke(state: ServerState, raw_request: Request) -> Response:
+    try:
+        body = await raw_request.json()
+    except ValueError as e:
+        raise OpenAIError(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError("The request body must be a JSON object.")
+    try:
+        if "messages" in body:
+            chat = ChatCompletionRequest.model_validate(body)
+            return await state.require_servings("generate").chat.create_chat_completion(chat, raw_request)
+        if "prompt" in body:
+            completion = CompletionRequest.model_validate(body)
+            return await state.require_servings("generate").completion.create_completion(
+                completion, raw_request
+            )
+        if "input" in body:
+            embedding = EmbeddingRequest.model_validate(body)
+            servings = state.require_servings("pooling")
+            return _json(await servings.embedding.create_embedding(embedding, raw_request))
+    except pydantic.ValidationError as e:
+        raise _validation_error(RequestValidationError(e.errors())) from None
+    raise OpenAIError(
+        "/invocations takes a chat (messages), a completion (prompt) or an embedding (input) request."
+    )
 
 
 def _document_400_not_422(app: FastAPI) -> None:

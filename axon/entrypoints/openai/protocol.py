@@ -276,7 +276,10 @@ class MessagesRequest(CountTokensRequest):
 
 # ---- completions -----------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
-    prompt: list[int] | list[list[int]] | str | list[str]
+    prompt: list[int] | list[list[int]] | str | list[str] | None = None
+    # vLLM's: prompts given as embeddings, each the base64 of a torch.save'd [num_tokens, hidden]
+    # tensor (the server needs --enable-prompt-embeds)
+    prompt_embeds: str | list[str] | None = None
     echo: bool | None = False
     logprobs: int | None = None
     max_tokens: int | None = 16
@@ -429,6 +432,47 @@ class ScoreRequest(RequestModel):
     encoding_format: Literal["float", "base64"] = "float"  # accepted; scores are always floats
     truncate_prompt_tokens: int | None = None
     user: str | None = None
+
+
+class RerankRequest(RequestModel):
+    """vLLM's /rerank (Jina's and Cohere's shape): ``documents`` ranked by their score against
+    ``query``, best first."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | dict[str, Any]]  # strings, or {"text": ...} objects
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    document: dict[str, str] | None = None
+    relevance_score: float
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"rerank-{random_uuid()}")
+    model: str
+    usage: dict[str, int]
+    results: list[RerankResult]
+
+
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"pool-{random_uuid()}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo
 
 
 class ScoreResponseData(OpenAIBaseModel):

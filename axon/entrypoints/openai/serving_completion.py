@@ -7,12 +7,15 @@ Logprobs take OpenAI's legacy shape (tokens, token_logprobs, top_logprobs, text_
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -45,7 +48,15 @@ from axon.sampling_params import SamplingParams
 @dataclass
 class _Prompt:
     text: str | None
-    token_ids: list[int]
+    token_ids: list[int]  # a prompt given as embeddings: placeholders, one per row
+    embeds: Any = None  # its [num_tokens, hidden] tensor
+
+    def engine_prompt(self) -> dict[str, Any]:
+        return (
+            {"prompt_embeds": self.embeds}
+            if self.embeds is not None
+            else {"prompt_token_ids": self.token_ids}
+        )
 
 
 # One position's logprobs: token id -> Logprob (None: the first prompt token, which has none).
@@ -63,13 +74,25 @@ def _prompt_list(prompt: list[int] | list[list[int]] | str | list[str]) -> list[
     return list(prompt)  # type: ignore[arg-type]  # pydantic checked: all str or all list[int]
 
 
+def fim_tokens(tokenizer: Any) -> tuple[str, str, str] | None:
+    """The tokenizer's fill-in-the-middle markers (prefix, suffix, middle), if it has a set."""
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    for style in ("<|fim_{}|>", "<fim_{}>", "<fim-{}>"):
+        names = tuple(style.format(part) for part in ("prefix", "suffix", "middle"))
+        if all(name in vocab for name in names):
+            return names  # type: ignore[return-value]
+    return None
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
         self.check_accepting()
         self.check_unsupported(request)
         if request.suffix is not None:
-            raise bad_request("suffix is not supported", param="suffix")
+            request.prompt = self._fill_in_the_middle(request.prompt, request.suffix)
         prompts = await self._prompts(request)
         if request.echo and request.logprobs is not None and request.prompt_logprobs is None:
             request.prompt_logprobs = request.logprobs
@@ -81,8 +104,10 @@ class OpenAIServingCompletion(OpenAIServing):
             self.log_request(request_id, prompt.text, prompt.token_ids, params)
         ticket = self.ctx.admission.admit(params.n * len(prompts))
         try:
-            token_ids = [p.token_ids for p in prompts]
-            stream = self.open_stream(request_id, token_ids, params, None if request.stream else raw_request)
+            engine_prompts = [p.engine_prompt() for p in prompts]
+            stream = self.open_stream(
+                request_id, engine_prompts, params, None if request.stream else raw_request
+            )
         except Exception:
             ticket.release()
             raise
@@ -94,12 +119,63 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             ticket.release()
 
+    def _fill_in_the_middle(self, prompt: Any, suffix: str) -> str | list[str]:
+        """``suffix``: the prompt is the text before a gap and the suffix the text after it,
+        written in the tokenizer's fill-in-the-middle tokens (prefix, suffix, middle: Qwen's
+        ``<|fim_prefix|>`` or StarCoder's ``<fim_prefix>``), so the model writes the middle."""
+        tokens = fim_tokens(self.tokenizer)
+        if tokens is None:
+            raise bad_request(
+                "suffix needs a model whose tokenizer has fill-in-the-middle tokens (<|fim_prefix|>, "
+                "<|fim_suffix|>, <|fim_middle|> or <fim_prefix>, ...); this model's has none",
+                param="suffix",
+            )
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not all(isinstance(t, str) for t in texts):
+            raise bad_request("suffix needs text prompts, not token ids", param="suffix")
+        pre, suf, mid = tokens
+        out = [f"{pre}{text}{suf}{suffix}{mid}" for text in texts]
+        return out[0] if isinstance(prompt, str) else out
+
     async def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
-        out = [await self._prompt(item, request.add_special_tokens) for item in _prompt_list(request.prompt)]
+        out = []
+        if request.prompt_embeds is not None:
+            if request.echo:
+                raise bad_request("echo cannot repeat a prompt given as embeddings", param="echo")
+            if request.truncate_prompt_tokens is not None:
+                raise bad_request(
+                    "truncate_prompt_tokens cannot cut a prompt given as embeddings",
+                    param="truncate_prompt_tokens",
+                )
+            items = (
+                [request.prompt_embeds] if isinstance(request.prompt_embeds, str) else request.prompt_embeds
+            )
+            out += [self._embeds_prompt(item, i) for i, item in enumerate(items)]
+        elif request.prompt is None:
+            raise bad_request("give prompt (or prompt_embeds)", param="prompt")
+        if request.prompt is not None:
+            out += [
+                await self._prompt(item, request.add_special_tokens) for item in _prompt_list(request.prompt)
+            ]
         if request.truncate_prompt_tokens is not None:
             for p in out:
                 p.token_ids = p.token_ids[-request.truncate_prompt_tokens :]
         return out
+
+    def _embeds_prompt(self, item: str, index: int) -> _Prompt:
+        """One base64 ``torch.save``d tensor (vLLM's format), loaded without running code."""
+        param = "prompt_embeds"
+        try:
+            tensor = torch.load(io.BytesIO(base64.b64decode(item, validate=True)), weights_only=True)
+        except Exception as e:  # noqa: BLE001 (any undecodable input is the client's 400)
+            raise bad_request(
+                f"prompt_embeds[{index}] is not a base64 torch.save'd tensor: {e}", param=param
+            ) from None
+        try:
+            embeds = self.engine.input_processor.prompt_embeds({"prompt_embeds": tensor})
+        except ValueError as e:
+            raise bad_request(f"prompt_embeds[{index}]: {e}", param=param) from None
+        return _Prompt(None, [0] * embeds.num_tokens, tensor)
 
     async def _prompt(self, item: str | list[int], add_special_tokens: bool) -> _Prompt:
         if not item:

@@ -15,6 +15,8 @@ from axon.entrypoints.openai.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingResponseData,
+    PoolingResponse,
+    PoolingResponseData,
     UsageInfo,
 )
 from axon.entrypoints.openai.serving_engine import OpenAIServing
@@ -46,6 +48,17 @@ class OpenAIServingEmbedding(OpenAIServing):
             model=self.model_name,
             data=data,
             usage=UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens, completion_tokens=None),
+        )
+
+    async def create_pooling(
+        self, request: EmbeddingRequest, raw_request: Request | None = None
+    ) -> PoolingResponse:
+        """vLLM's /pooling: the pooled vectors of an embedding model, in the pooling shape."""
+        embedded = await self.create_embedding(request, raw_request)
+        return PoolingResponse(
+            model=embedded.model,
+            data=[PoolingResponseData(index=d.index, data=d.embedding) for d in embedded.data],
+            usage=embedded.usage,
         )
 
 

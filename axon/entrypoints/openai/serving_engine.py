@@ -344,21 +344,22 @@ class OpenAIServing:
     def open_stream(
         self,
         request_id: str,
-        prompts: list[list[int]],
+        prompts: list[list[int]] | list[dict[str, Any]],
         params: SamplingParams,
         raw_request: Request | None,
         images: list[Any] | None = None,
     ) -> OutputStream:
-        """``images``: a chat prompt's processed images (``expand_images``)."""
+        """``prompts``: token-id lists, or engine prompts (``{"prompt_embeds": ...}``);
+        ``images``: a chat prompt's processed images (``expand_images``)."""
         extra = {"multi_modal_inputs": images} if images else {}
         generators = [
             self.engine.generate(
-                {"prompt_token_ids": ids, **extra},
+                prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt, **extra},
                 params,
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 RequestOutputKind.DELTA,
             )
-            for i, ids in enumerate(prompts)
+            for i, prompt in enumerate(prompts)
         ]
         return OutputStream(generators, self.ctx.shutdown_event, raw_request)
 

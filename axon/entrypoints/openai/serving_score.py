@@ -1,4 +1,5 @@
-"""POST /score and /v1/score: vLLM's scoring API on a bi-encoder.
+"""POST /score and /v1/score (vLLM's scoring API on a bi-encoder), and /rerank, /v1/rerank and
+/v2/rerank (Jina's and Cohere's shape) on top of it.
 
 A pair's score is the cosine similarity of its two embeddings (``score_outputs``), embedded by
 the engine core as /v1/embeddings does.
@@ -10,7 +11,15 @@ from fastapi import Request
 
 from axon.engine.pooling_inputs import PoolingInput, score_outputs, score_pairs
 from axon.entrypoints.openai.errors import bad_request
-from axon.entrypoints.openai.protocol import ScoreRequest, ScoreResponse, ScoreResponseData, UsageInfo
+from axon.entrypoints.openai.protocol import (
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreResponseData,
+    UsageInfo,
+)
 from axon.entrypoints.openai.serving_engine import OpenAIServing
 from axon.pooling_params import PoolingParams
 
@@ -42,6 +51,45 @@ class OpenAIServingScore(OpenAIServing):
             data=[ScoreResponseData(index=i, score=o.outputs.score) for i, o in enumerate(outputs)],
             usage=UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens, completion_tokens=None),
         )
+
+    async def create_rerank(
+        self, request: RerankRequest, raw_request: Request | None = None
+    ) -> RerankResponse:
+        """The documents' scores against the query (as /score computes them), best first."""
+        texts = [_document_text(d, i) for i, d in enumerate(request.documents)]
+        if not texts:
+            raise bad_request("documents must not be an empty list", param="documents")
+        scored = await self.create_score(
+            ScoreRequest(
+                model=request.model,
+                text_1=request.query,
+                text_2=texts,
+                truncate_prompt_tokens=request.truncate_prompt_tokens,
+            ),
+            raw_request,
+        )
+        ranked = sorted(scored.data, key=lambda d: -d.score)[: request.top_n]
+        return RerankResponse(
+            model=self.model_name,
+            usage={"total_tokens": scored.usage.total_tokens},
+            results=[
+                RerankResult(
+                    index=d.index,
+                    document={"text": texts[d.index]} if request.return_documents else None,
+                    relevance_score=d.score,
+                )
+                for d in ranked
+            ],
+        )
+
+
+def _document_text(document: str | dict, index: int) -> str:
+    if isinstance(document, str):
+        return document
+    text = document.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"documents[{index}] must be a string or {{'text': str}}", param="documents")
+    return text
 
 
 def _pooling_params(request: ScoreRequest) -> PoolingParams:

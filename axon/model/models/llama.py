@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -235,6 +235,17 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+@dataclass
+class EmbedRows:
+    """Rows of a step whose input embedding is given rather than looked up: ``rows`` take
+    ``embeds``, and ``deepstack[i]`` (a vision tower's, may be empty) is added after decoder
+    layer i. A multimodal prompt's image tokens; a prompt given as embeddings."""
+
+    rows: torch.Tensor  # [n] int64
+    embeds: torch.Tensor  # [n, hidden]
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # each [n, hidden]
+
+
 class LlamaModel(nn.Module):
     def __init__(self, arch: DecoderArch, backend: AttentionBackend) -> None:
         super().__init__()
@@ -250,10 +261,25 @@ class LlamaModel(nn.Module):
         return self.run(input_ids, positions)[0]
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layer_ids: tuple[int, ...] = ()
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        aux_layer_ids: tuple[int, ...] = (),
+        embeds: EmbedRows | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """hidden [T, hidden] and the input stream [T, hidden] of each of ``aux_layer_ids``."""
-        return self.run_embeds(self.embed_tokens(input_ids), positions, aux_layer_ids)
+        """hidden [T, hidden] and the input stream [T, hidden] of each of ``aux_layer_ids``;
+        ``embeds``: rows whose input embedding is given (images' features, prompt embeddings)."""
+        x = self.embed_tokens(input_ids)
+        if embeds is None:
+            return self.run_embeds(x, positions, aux_layer_ids)
+        x = x.index_copy(0, embeds.rows, embeds.embeds.to(x.dtype))
+
+        def add_deepstack(i: int, h: torch.Tensor) -> torch.Tensor:
+            if i >= len(embeds.deepstack):
+                return h
+            return h.index_add(0, embeds.rows, embeds.deepstack[i].to(h.dtype))
+
+        return self.run_embeds(x, positions, aux_layer_ids, add_deepstack if embeds.deepstack else None)
 
     def run_embeds(
         self,
@@ -325,14 +351,14 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layer_ids = layer_ids
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, embeds: EmbedRows | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # input_ids, positions [T] -> hidden [T, hidden], or with aux layers set
-        # (hidden, aux [T, len(aux_layer_ids) * hidden])
-        if not self.aux_layer_ids:
+        # (hidden, aux [T, len(aux_layer_ids) * hidden]); ``embeds``: rows given as embeddings
+        if not self.aux_layer_ids and embeds is None:
             return self.model(input_ids, positions)
-        hidden, aux = self.model.run(input_ids, positions, self.aux_layer_ids)
-        return hidden, torch.cat(aux, dim=-1)
+        hidden, aux = self.model.run(input_ids, positions, self.aux_layer_ids, embeds)
+        return hidden if not self.aux_layer_ids else (hidden, torch.cat(aux, dim=-1))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head(hidden), self.arch.vocab_size)

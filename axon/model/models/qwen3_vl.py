@@ -33,7 +33,7 @@ from torch import nn
 from axon.model.layers.attention.backend import AttentionBackend
 from axon.model.layers.attention.encoder import encoder_attention
 from axon.model.layers.rotary import MRotaryEmbedding
-from axon.model.models.llama import STACKED_PARAMS, LlamaModel, Qwen3ForCausalLM
+from axon.model.models.llama import STACKED_PARAMS, Qwen3ForCausalLM
 from axon.model.models.weights import load_by_name
 from axon.platforms.cpu_kernels import use_cpu_kernels
 
@@ -223,44 +223,12 @@ def mrope_positions(
 # ---- the model ----
 
 
-@dataclass
-class ImageRows:
-    """A step's image tokens: rows ``rows`` of the step take ``embeds`` for their embedding, and
-    ``deepstack[i]`` is added after decoder layer i."""
-
-    rows: torch.Tensor  # [n] int64
-    embeds: torch.Tensor  # [n, hidden]
-    deepstack: list[torch.Tensor]  # each [n, hidden]
-
-
-class Qwen3VLTextModel(LlamaModel):
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        aux_layer_ids: tuple[int, ...] = (),
-        images: ImageRows | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = self.embed_tokens(input_ids)
-        if images is None:
-            return self.run_embeds(x, positions, aux_layer_ids)
-        x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
-
-        def add_deepstack(i: int, h: torch.Tensor) -> torch.Tensor:
-            if i >= len(images.deepstack):
-                return h
-            return h.index_add(0, images.rows, images.deepstack[i].to(h.dtype))
-
-        return self.run_embeds(x, positions, aux_layer_ids, add_deepstack)
-
-
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
-    """forward(input_ids, positions, images=None): positions [T] or, for a step with image
-    tokens, [3, T] (``mrope_positions``); ``images`` the step's image tokens' features from
-    ``encode_images``."""
+    """forward(input_ids, positions, embeds=None): positions [T] or, for a step with image
+    tokens, [3, T] (``mrope_positions``); ``embeds`` the step's image tokens' features from
+    ``encode_images`` (``EmbedRows`` with the deepstack features)."""
 
     supports_tensor_parallel = False
-    model_class = Qwen3VLTextModel
 
     def __init__(self, hf_config: dict[str, Any], backend: AttentionBackend) -> None:
         super().__init__(hf_config, backend)
@@ -279,12 +247,6 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         self.visual = Qwen3VLVisionModel(hf_config["vision_config"])
         self.image_token_id = int(hf_config["image_token_id"])
         self.merge = self.visual.merge
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, images: ImageRows | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        hidden, aux = self.model.run(input_ids, positions, self.aux_layer_ids, images)
-        return hidden if not self.aux_layer_ids else (hidden, torch.cat(aux, dim=-1))
 
     def encode_images(
         self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]
