@@ -215,6 +215,19 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders) beside the base model, several in one step (vLLM's flag)."""
+    max_loras: int = 1
+    """Adapters one step may hold (each has a slot in every adapted layer)."""
+    max_lora_rank: int = 16
+    """The largest adapter rank accepted (the slots' width)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory for a slot to take without reading the folder again;
+    None: max_loras."""
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     speculative_config: dict[str, Any] | None = None
     """Speculative decoding, JSON (vLLM's keys): {"method": "ngram"|"draft_model"|"eagle3",
@@ -277,6 +290,7 @@ class AxonConfig:
     parallel_config: ParallelConfig = ParallelConfig()
     compilation_config: CompilationConfig = CompilationConfig()
     speculative_config: SpeculativeConfig = SpeculativeConfig()
+    lora_config: LoRAConfig = LoRAConfig()
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     kv_transfer_config: KVTransferConfig = KVTransferConfig()
     observability_config: ObservabilityConfig = ObservabilityConfig()
@@ -469,6 +483,15 @@ def validate_config(config: AxonConfig) -> None:
         "max_num_encoder_input_tokens",
         s.max_num_encoder_input_tokens,
         "must be at least 1",
+    )
+    lo = config.lora_config
+    need(lo.max_loras >= 1, "max_loras", lo.max_loras, "must be at least 1")
+    need(lo.max_lora_rank >= 1, "max_lora_rank", lo.max_lora_rank, "must be at least 1")
+    need(
+        lo.max_cpu_loras is None or lo.max_cpu_loras >= lo.max_loras,
+        "max_cpu_loras",
+        lo.max_cpu_loras,
+        "must be at least max_loras",
     )
     need(s.scheduling_policy == "fcfs", "scheduling_policy", s.scheduling_policy, "supports only 'fcfs'")
     for name in (

@@ -27,18 +27,20 @@ class ForwardContext:
     # Attention data parallelism: the step's rows this rank attends (its requests' tokens), which
     # ``attn_metadata`` describes alone; None: every row.
     attention_rows: Any = None
+    # LoRA: the step's rows grouped by adapter slot (model/layers/lora.py: LoRASlots); None: none.
+    lora_slots: Any = None
 
 
 @contextmanager
 def set_forward_context(
-    common: Any, attention_layers: Sequence[Any] = (), attention_rows: Any = None
+    common: Any, attention_layers: Sequence[Any] = (), attention_rows: Any = None, lora_slots: Any = None
 ) -> Iterator[Any]:
     """Run a forward over the step ``common`` describes (the rows ``attention_rows`` of it, if
     given); yields the backend's metadata."""
     backend = attention_layers[0].backend if attention_layers else None
     metadata = common if backend is None else backend.build_metadata(common)
     prev = getattr(_local, "context", None)
-    _local.context = ForwardContext(metadata, attention_layers, attention_rows)
+    _local.context = ForwardContext(metadata, attention_layers, attention_rows, lora_slots)
     try:
         if backend is not None:
             backend.begin_step(metadata, attention_layers)

@@ -32,6 +32,8 @@ class NewRequestData:
     images: list[Any] | None = None
     # A prompt given as embeddings (multimodal.inputs.PromptEmbeds), None: tokens.
     prompt_embeds: Any = None
+    # Its LoRA adapter (lora.request.LoRAInput), None: the base model.
+    lora: Any = None
 
 
 @dataclass

@@ -46,6 +46,7 @@ LAYERS: tuple[str, ...] = (
     "step_outputs",  # what the engine core reports per step: EngineCoreOutput, SchedulerStats
     "scheduler_output",  # scheduler <-> worker: SchedulerOutput, ModelRunnerOutput
     "sampling_params",
+    "lora",  # LoRARequest and the record requests carry: imports nothing from axon
     "pooling_params",
     "outputs",
     # Not in DESIGN's list; each imports nothing from axon, so it sits at the bottom:

@@ -97,6 +97,7 @@ class Request:
         kv_transfer_params: dict[str, Any] | None = None,
         images: list[Any] | None = None,
         prompt_embeds: Any = None,
+        lora: Any = None,
     ) -> None:
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert (sampling_params is None) != (pooling_params is None), "one of sampling or pooling"
@@ -114,6 +115,7 @@ class Request:
         self.kv_load_failed = False  # a connector's load failed once: never try it again
         self.images = images  # a multimodal prompt's images (messages.ImageInput), for the worker
         self.prompt_embeds = prompt_embeds  # a prompt given as embeddings (inputs.PromptEmbeds)
+        self.lora = lora  # its LoRA adapter (lora.request.LoRAInput), None: the base model
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []

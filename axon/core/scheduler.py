@@ -22,6 +22,9 @@ an encoder budget, ``max_num_encoder_input_tokens`` image tokens per step: a req
 images would pass what is left waits for the next step (FCFS), and one whose images alone
 exceed the budget is admitted in a step that encodes no other images.
 
+With LoRA (``max_loras``), the running set holds at most ``max_loras`` adapters: a request whose
+adapter would be one more waits (FCFS) until the requests of a running adapter are done.
+
 Speculative decoding (``spec_config``): after each step the worker drafts tokens for every
 request that sampled (``ModelRunnerOutput.spec_token_ids``); the request keeps them in
 ``spec_token_ids`` and the next step schedules them with its known tokens (``num_tokens_with_spec``),
@@ -86,9 +89,11 @@ class Scheduler:
         kv_connector: KVConnectorScheduler | None = None,
         kv_load_failure_policy: str = "recompute",
         window: int | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """``window``: the sliding window of a model whose layers are partly sliding-window, for
-        the KV cache's window group (kv_cache_manager.py); None: one group."""
+        the KV cache's window group (kv_cache_manager.py); None: one group. ``max_loras``: the
+        LoRA adapters one step may hold (None: LoRA is off)."""
         assert scheduler_config.max_num_batched_tokens is not None, (
             "resolve_config sets max_num_batched_tokens"
         )
@@ -98,6 +103,7 @@ class Scheduler:
             scheduler_config.max_num_encoder_input_tokens or self.max_num_batched_tokens
         )
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.block_size = cache_config.block_size
         self.encoder_only = encoder_only
         # An encoder keeps no KV, so there is no prefix to reuse.
@@ -308,6 +314,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: resumable once it arrives
+            if not self._adapter_fits(req):
+                break  # FCFS: it waits until a running adapter's requests are done
             # The worker encodes a request's images in the step that admits it.
             num_image_tokens = sum(i.num_tokens for i in req.images or ())
             if num_image_tokens > encoder_budget and encoder_budget < self.max_num_encoder_input_tokens:
@@ -351,6 +359,7 @@ class Scheduler:
                     window_block_ids=self.kv_cache_manager.get_window_block_ids(req.req_id),
                     images=req.images,
                     prompt_embeds=req.prompt_embeds,
+                    lora=req.lora,
                     num_computed_tokens=req.num_computed_tokens,
                     pooling_params=req.pooling_params,
                 )
@@ -358,6 +367,13 @@ class Scheduler:
             num_scheduled[req.req_id] = n
             budget -= n
             encoder_budget -= num_image_tokens
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """A request with a LoRA adapter runs beside at most ``max_loras`` adapters in all."""
+        if req.lora is None or self.max_loras is None:
+            return True
+        running = {r.lora.int_id for r in self.running if r.lora is not None}
+        return req.lora.int_id in running or len(running) < self.max_loras
 
     def _start_remote_load(self, req: Request, hit_blocks: list, num_hit_tokens: int) -> bool:
         """If the connector can load part of the prompt: give the request blocks for its local

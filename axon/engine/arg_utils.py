@@ -61,6 +61,7 @@ def resolve_config(config: AxonConfig) -> AxonConfig:
     model_class = resolve_model_class(hf.get("architectures"))
     runner = _resolve_runner(m.runner, model_class, hf)
     _check_prompt_embeds(config, model_class, hf, runner)
+    _check_lora(config, model_class, hf, runner)
     _check_encoder_disaggregation(config, model_class, hf)
     config = _resolve_attention_dp(config, runner)
     _check_tensor_parallel(config, model_class, hf)
@@ -148,6 +149,24 @@ def _resolve_kv_transfer(config: AxonConfig, runner: str) -> KVTransferConfig:
     raw = dict(kv.kv_transfer_config or {})
     raw.setdefault("engine_id", settings.engine_id)
     return replace(kv, kv_transfer_config=raw)
+
+
+def _check_lora(config: AxonConfig, model_class: type, hf: dict[str, Any], runner: str) -> None:
+    if not config.lora_config.enable_lora:
+        return
+    from axon.model.models.llama import LlamaForCausalLM
+
+    why = None
+    if runner != "generate" or not issubclass(model_class, LlamaForCausalLM) or "vision_config" in hf:
+        why = f"{model_class.__name__} is not a decoder language model axon adapts"
+    elif hf.get("num_experts") or hf.get("num_local_experts"):
+        why = "a mixture-of-experts model's experts are not adapted yet"
+    elif config.parallel_config.tensor_parallel_size != 1:
+        why = "the adapters are not split across tensor-parallel ranks yet (tensor_parallel_size must be 1)"
+    elif config.speculative_config.speculative_config is not None:
+        why = "a draft would propose without the request's adapter"
+    if why is not None:
+        raise ValueError(f"enable_lora is not supported here: {why}")
 
 
 def _check_prompt_embeds(config: AxonConfig, model_class: type, hf: dict[str, Any], runner: str) -> None:

@@ -86,7 +86,7 @@ class AsyncLLM:
         self.config = config
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.tokenizer = load_tokenizer(config.model_config, chat_template)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer, config.lora_config)
         pooling = config.model_config.runner == "pooling"
         self.pooling_inputs = PoolingInputProcessor(config, self.input_processor) if pooling else None
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -201,6 +201,7 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate (ValueError before anything is queued), then stream this request's outputs.
 
@@ -211,7 +212,9 @@ class AsyncLLM:
         if self.errored:
             raise EngineDeadError(self.dead_error or "the engine core is not running")
         request_id = f"{request_id or 'req'}-{next(self._counter)}"
-        text, prompt_token_ids, children = self.input_processor.process(request_id, prompt, params)
+        text, prompt_token_ids, children = self.input_processor.process(
+            request_id, prompt, params, lora_request
+        )
         self.output_processor.check_new_ids([c.req_id for c in children])
         frames = [encode(ADD, child) for child in children]
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()

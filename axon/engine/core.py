@@ -70,6 +70,7 @@ class EngineCore:
             spec_config=parse_spec_decode_config(config.speculative_config.speculative_config),
             **_kv_connector_args(config),
             window=window,
+            max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else None,
         )
         self.block_hasher = make_block_hasher(block_size)
         self.async_scheduling = self.executor.max_concurrent_batches > 1
@@ -100,6 +101,7 @@ class EngineCore:
                 kv_transfer_params=request.kv_transfer_params,
                 images=request.images,
                 prompt_embeds=request.prompt_embeds,
+                lora=request.lora,
             )
         )
 

@@ -12,9 +12,11 @@ from typing import Any
 
 import msgspec
 
-from axon.config import ModelConfig
+from axon.config import LoRAConfig, ModelConfig
 from axon.engine.messages import EngineCoreRequest
 from axon.engine.tokenizer import NO_TOKENIZER
+from axon.lora.request import LoRAInput
+from axon.model.layers.lora import decoder_layer_shapes, load_peft_adapter
 from axon.multimodal.inputs import ImageInput, PromptEmbeds
 from axon.multimodal.prompts import ImagePrompts
 from axon.sampling_params import UINT64_MAX, EngineSamplingParams, SamplingParams
@@ -25,12 +27,17 @@ PromptType = str | dict[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any, lora_config: LoRAConfig | None = None
+    ) -> None:
         assert model_config.max_model_len is not None and model_config.hf_config is not None
         self.max_model_len = model_config.max_model_len
         self.max_logprobs = model_config.max_logprobs
         self.vocab_size = int(model_config.hf_config["vocab_size"])
         self.enable_prompt_embeds = model_config.enable_prompt_embeds
+        self.hf_config = model_config.hf_config
+        self.lora_config = lora_config
+        self._adapters: dict[int, LoRAInput] = {}  # checked adapters, by id
         self.hidden_size = int(model_config.hf_config.get("hidden_size") or 0)
         self.tokenizer = tokenizer
         self.eos_token_id = (
@@ -45,16 +52,40 @@ class InputProcessor:
         )
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, lora_request: Any = None
     ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
         """A prompt (text, token ids, with images, or as embeddings) -> its text, its token ids
-        (a prompt given as embeddings has placeholders) and its validated core requests."""
+        (a prompt given as embeddings has placeholders) and its validated core requests, run by
+        ``lora_request``'s adapter (a LoRARequest) if given."""
+        lora = self.lora(lora_request) if lora_request is not None else None
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             embeds = self.prompt_embeds(prompt)
             token_ids = [0] * embeds.num_tokens
-            return None, token_ids, self.process_n(request_id, token_ids, params, prompt_embeds=embeds)
+            return (
+                None,
+                token_ids,
+                self.process_n(request_id, token_ids, params, prompt_embeds=embeds, lora=lora),
+            )
         text, token_ids, images = self.tokenize_multimodal(prompt)
-        return text, token_ids, self.process_n(request_id, token_ids, params, images)
+        return text, token_ids, self.process_n(request_id, token_ids, params, images, lora=lora)
+
+    def lora(self, request: Any) -> LoRAInput:
+        """A LoRARequest's adapter, its folder checked against the model once per id."""
+        if self.lora_config is None or not self.lora_config.enable_lora:
+            raise ValueError("a LoRA adapter needs the engine started with enable_lora (--enable-lora)")
+        known = self._adapters.get(request.lora_int_id)
+        lora = LoRAInput(request.lora_name, request.lora_int_id, request.lora_path)
+        if known is not None:
+            if known != lora:
+                raise ValueError(
+                    f"lora_int_id {lora.int_id} already names adapter {known.name!r} at {known.path}"
+                )
+            return known
+        load_peft_adapter(
+            lora.path, lora.name, decoder_layer_shapes(self.hf_config), self.lora_config.max_lora_rank
+        )
+        self._adapters[lora.int_id] = lora
+        return lora
 
     def tokenize_multimodal(
         self, prompt: PromptType
@@ -144,6 +175,7 @@ class InputProcessor:
         params: SamplingParams,
         images: list[ImageInput] | None = None,
         prompt_embeds: PromptEmbeds | None = None,
+        lora: LoRAInput | None = None,
     ) -> list[EngineCoreRequest]:
         """One core request per sample of ``params.n``, all validated before any is returned.
 
@@ -159,7 +191,13 @@ class InputProcessor:
         if params.n == 1:
             return [
                 self._request(
-                    request_id, prompt_token_ids, engine_params, kv_transfer_params, images, prompt_embeds
+                    request_id,
+                    prompt_token_ids,
+                    engine_params,
+                    kv_transfer_params,
+                    images,
+                    prompt_embeds,
+                    lora,
                 )
             ]
         if kv_transfer_params is not None:
@@ -171,6 +209,7 @@ class InputProcessor:
                 _child_params(engine_params, index),
                 images=images,
                 prompt_embeds=prompt_embeds,
+                lora=lora,
             )
             for index in range(params.n)
         ]
@@ -207,10 +246,13 @@ class InputProcessor:
         kv_transfer_params: dict[str, Any] | None = None,
         images: list[ImageInput] | None = None,
         prompt_embeds: PromptEmbeds | None = None,
+        lora: LoRAInput | None = None,
     ) -> EngineCoreRequest:
         salt = "images:" + ",".join(i.digest for i in images) if images else None
         if prompt_embeds is not None:  # its placeholder ids hit only the same embeddings
             salt = "embeds:" + hashlib.sha256(prompt_embeds.data).hexdigest() + prompt_embeds.dtype
+        if lora is not None:  # an adapter's KV is its own
+            salt = f"lora:{lora.int_id}|{salt or ''}"
         return EngineCoreRequest(
             req_id=req_id,
             prompt_token_ids=prompt_token_ids,
@@ -223,6 +265,7 @@ class InputProcessor:
             kv_transfer_params=kv_transfer_params,
             images=images,
             prompt_embeds=prompt_embeds,
+            lora=lora,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -14,6 +14,7 @@ from axon.engine.input_processor import InputProcessor, PromptType
 from axon.engine.output_processor import AnyRequestOutput, OutputProcessor, ParentRequest, PoolingRequest
 from axon.engine.pooling_inputs import PoolingInputProcessor
 from axon.engine.tokenizer import load_tokenizer
+from axon.lora.request import LoRARequest
 from axon.pooling_params import PoolingParams
 from axon.sampling_params import RequestOutputKind, SamplingParams
 
@@ -24,7 +25,7 @@ class LLMEngine:
         self.config = config
         model_config = config.model_config
         self.tokenizer = load_tokenizer(model_config)
-        self.input_processor = InputProcessor(model_config, self.tokenizer)
+        self.input_processor = InputProcessor(model_config, self.tokenizer, config.lora_config)
         pooling = model_config.runner == "pooling"
         self.pooling_inputs = PoolingInputProcessor(config, self.input_processor) if pooling else None
         self.engine_core = make_engine_core(config)
@@ -38,10 +39,13 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and enqueue one request (n children when params.n > 1). Raises ValueError."""
         request_id = request_id if request_id is not None else str(next(self._counter))
-        text, prompt_token_ids, children = self.input_processor.process(request_id, prompt, params)
+        text, prompt_token_ids, children = self.input_processor.process(
+            request_id, prompt, params, lora_request
+        )
         self.output_processor.check_new_ids([c.req_id for c in children])
         parent = ParentRequest(request_id, text, prompt_token_ids, params.n, output_kind)
         for index, core_request in enumerate(children):

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from axon.lora.request import LoRAInput
 from axon.multimodal.inputs import ImageInput, PromptEmbeds
 from axon.pooling_params import EnginePoolingParams
 from axon.sampling_params import EngineSamplingParams
@@ -35,6 +36,8 @@ class EngineCoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     images: list[ImageInput] | None = None
     # A prompt given as embeddings (its prompt_token_ids are placeholders); None: tokens.
     prompt_embeds: PromptEmbeds | None = None
+    # The LoRA adapter that runs it (None: the base model).
+    lora: LoRAInput | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct):

@@ -387,7 +387,7 @@ def _input_lines() -> Iterator[str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from axon.engine.arg_utils import create_engine_config
     from axon.entrypoints.openai.api_server import run_server
-    from axon.entrypoints.openai.cli_args import load_chat_template, validate_server_args
+    from axon.entrypoints.openai.cli_args import check_lora_modules, load_chat_template, validate_server_args
 
     # Before the model is located: a GGUF conversion logs.
     configure_logging("headless" if args.headless else "api-server")
@@ -405,6 +405,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from axon.entrypoints.headless import run_headless
 
         return run_headless(args, config)
+    check_lora_modules(args, config)
     assert config.model_config.served_model_name is not None
     return run_server(args, config, names or [config.model_config.served_model_name])
 

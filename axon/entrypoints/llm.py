@@ -15,6 +15,7 @@ from axon.engine.llm_engine import LLMEngine
 from axon.engine.output_processor import AnyRequestOutput
 from axon.engine.pooling_inputs import score_outputs, score_pairs
 from axon.engine.tokenizer import render_chat
+from axon.lora.request import LoRARequest
 from axon.multimodal.prompts import split_chat_images
 from axon.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from axon.pooling_params import PoolingParams
@@ -87,12 +88,17 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: the adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
-        return self._run(prompts, params, use_tqdm)
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm, loras)
 
     def _require_generate(self) -> None:
         if self.runner_type != "generate":
@@ -139,11 +145,19 @@ class LLM:
         return token_ids
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         self._require_generate()
         engine = self.llm_engine
-        adds = [functools.partial(engine.add_request, p, q) for p, q in zip(prompts, params, strict=True)]
+        loras = loras or [None] * len(prompts)
+        adds = [
+            functools.partial(engine.add_request, p, q, lora_request=lo)
+            for p, q, lo in zip(prompts, params, loras, strict=True)
+        ]
         return self._run_all(adds, use_tqdm)  # type: ignore[return-value]
 
     def _run_all(self, adds: list[Callable[[], str]], use_tqdm: bool) -> list[AnyRequestOutput]:

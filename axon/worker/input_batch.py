@@ -35,6 +35,7 @@ class CachedRequestState:
     encoded_images: Any = None
     # A prompt given as embeddings: [prompt length, hidden] on the device (None: tokens).
     prompt_embeds: torch.Tensor | None = None
+    lora: Any = None  # its LoRA adapter (lora.request.LoRAInput), None: the base model
     token_ids: list[int] = field(init=False)  # prompt + output, kept in step
     # A pooling request's hidden states [n, hidden] of the prompt segments computed so far.
     hidden_parts: list[torch.Tensor] = field(default_factory=list)
@@ -112,6 +113,7 @@ class RequestStates:
             window_block_ids=list(new.window_block_ids),
             images=new.images,
             prompt_embeds=None if new.prompt_embeds is None else new.prompt_embeds.tensor().to(self.device),
+            lora=new.lora,
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
             pooling_params=new.pooling_params,

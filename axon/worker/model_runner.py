@@ -20,6 +20,7 @@ from axon.distributed.parallel_state import get_tp_group
 from axon.forward_context import set_forward_context
 from axon.kv_transfer.ec_connector import ECSharedStorageConnector
 from axon.model.layers.attention import CommonAttentionMetadata, Segment, describe_step
+from axon.model.layers.lora import LoRASlots
 from axon.model.models.llama import EmbedRows
 from axon.model.pooler import finish_embedding, pool
 from axon.sample.grammar import GrammarBitmask
@@ -32,6 +33,7 @@ from axon.spec_decode.proposer import DraftBatch, DraftRequest, Proposer
 from axon.worker.buckets import Buckets, bucket_name
 from axon.worker.compiler import BucketCompiler
 from axon.worker.input_batch import CachedRequestState, RequestStates
+from axon.worker.lora import LoRAManager
 from axon.worker.multimodal import EncoderCache, encode_request_images, step_images
 
 
@@ -56,6 +58,7 @@ class StepInputs:
     # Rows whose input embedding is given (images' features, prompt embeddings); such a step
     # runs eagerly.
     embeds: EmbedRows | None = None
+    lora_slots: LoRASlots | None = None  # the rows by LoRA adapter slot; None: none
 
 
 class ModelRunner:
@@ -70,6 +73,7 @@ class ModelRunner:
         pooling_type: str | None = None,
         proposer: Proposer | None = None,
         ec_connector: ECSharedStorageConnector | None = None,
+        lora_manager: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.pooling_type = pooling_type  # the model's pooler (runner="pooling" only)
@@ -88,6 +92,7 @@ class ModelRunner:
         self.proposer = proposer  # speculative decoding: drafts after each step (None: off)
         self.encoder_cache = EncoderCache()  # a multimodal model's vision features by image
         self.ec_connector = ec_connector  # encoder disaggregation: features from an encoder server
+        self.lora_manager = lora_manager  # LoRA adapters' slots (None: LoRA is off)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -188,6 +193,8 @@ class ModelRunner:
             )
             for state, images in zip(new, encoded, strict=True):
                 state.encoded_images = images
+        row_slots: list[int] = []  # each row's LoRA adapter slot (-1: the base model)
+        step_adapters = {s.lora.int_id for s in (self.requests[r] for r in req_ids) if s.lora is not None}
         image_parts = []  # (a request's images, start, end, its first row)
         embed_parts = []  # (its first row, its given prompt embeddings for the step's rows)
         image_positions = []  # (its first row, its [3, n] positions)
@@ -210,6 +217,9 @@ class ModelRunner:
                     (len(token_ids), state.prompt_embeds[start : min(end, state.prompt_embeds.shape[0])])
                 )
             token_ids += state.token_ids[start:known_end] + spec
+            if self.lora_manager is not None:
+                slot = -1 if state.lora is None else self.lora_manager.slot_for(state.lora, step_adapters)
+                row_slots += [slot] * (len(token_ids) - len(row_slots))
             segments.append(Segment(state.block_ids, start, end, state.window_block_ids))
             is_decode = is_decode and end - start == len(spec) + 1
             if known_end == state.num_tokens and state.pooling_params is None:
@@ -265,13 +275,16 @@ class ModelRunner:
             attention=attention,
             attention_rows=attention_rows,
             embeds=embeds,
+            lora_slots=(
+                LoRASlots.from_rows(row_slots, len(self.lora_manager.slots), dev) if row_slots else None
+            ),
         )
 
     def run_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[padded tokens, hidden] through the bucket's compiled graph when it is ready, and the
         auxiliary hidden states an EAGLE3 head reads (None unless the target returns them)."""
         step = inputs.attn_metadata if inputs.attention is None else inputs.attention
-        with set_forward_context(step, self.attention_layers, inputs.attention_rows):
+        with set_forward_context(step, self.attention_layers, inputs.attention_rows, inputs.lora_slots):
             if inputs.embeds is not None:  # eager: a step with given embeddings
                 out = self.model(inputs.input_ids, inputs.positions, embeds=inputs.embeds)
             else:

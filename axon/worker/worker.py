@@ -17,6 +17,7 @@ from axon.kv_transfer.ec_connector import make_ec_connector
 from axon.kv_transfer.factory import make_worker_connector
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
+from axon.model.layers.lora import wrap_lora_layers
 from axon.model.loader.model_loader import load_model
 from axon.model.pooler import model_pooler_config
 from axon.model.registry import is_encoder_only
@@ -35,6 +36,7 @@ from axon.startup import startup_phase
 from axon.version import __version__
 from axon.worker.buckets import Buckets
 from axon.worker.compiler import BucketCompiler, compile_cache_key
+from axon.worker.lora import LoRAManager
 from axon.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -164,6 +166,13 @@ class Worker:
             self.linear_backend,
             linear_batch_hint=config.scheduler_config.max_num_seqs,
         )
+        lora_manager = None
+        lo = config.lora_config
+        if lo.enable_lora:  # before any graph compiles: the graphs hold the LoRA ops
+            layers = wrap_lora_layers(self.model, lo.max_loras, lo.max_lora_rank, self.dtype, self.device)
+            lora_manager = LoRAManager(
+                layers, lo.max_loras, lo.max_cpu_loras or lo.max_loras, lo.max_lora_rank
+            )
         self.model_load_time_s = time.perf_counter() - t0
         hf = config.model_config.hf_config or {}
         self.buckets = Buckets.from_config(config)
@@ -190,6 +199,7 @@ class Worker:
             pooling_type=model_pooler_config(config.model_config).pooling_type if pooling else None,
             proposer=self.proposer,
             ec_connector=make_ec_connector(config.kv_transfer_config.ec_transfer_config),
+            lora_manager=lora_manager,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector: KVConnectorWorker | None = None  # disaggregated serving

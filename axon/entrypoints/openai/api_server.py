@@ -62,6 +62,7 @@ from axon.entrypoints.openai.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     MessagesRequest,
     ModelList,
     PoolingResponse,
@@ -72,6 +73,7 @@ from axon.entrypoints.openai.protocol import (
     ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from axon.entrypoints.openai.serving_chat import OpenAIServingChat
 from axon.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -82,6 +84,7 @@ from axon.entrypoints.openai.serving_models import OpenAIServingModels
 from axon.entrypoints.openai.serving_responses import OpenAIServingResponses
 from axon.entrypoints.openai.serving_score import OpenAIServingScore
 from axon.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from axon.lora.request import LoRARequest
 from axon.metrics.loggers import LoggingStatLogger
 from axon.metrics.prometheus import PrometheusStatLogger, render_metrics
 from axon.metrics.stats import StatLogger
@@ -186,6 +189,10 @@ class ServerState:
             tool_call_parser=self.args.tool_call_parser,
             reasoning_parser=self.config.structured_outputs_config.reasoning_parser,
             trust_request_chat_template=self.args.trust_request_chat_template,
+            lora_modules={
+                name: LoRARequest(name, i, path)
+                for i, (name, path) in enumerate(cli_args.lora_modules(self.args.lora_modules), 1)
+            },
         )
         return Servings(
             OpenAIServingChat(ctx),
@@ -403,6 +410,18 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages/count_tokens", responses=_ERRORS)
     async def count_tokens(request: CountTokensRequest) -> Response:
         return await state.require_servings("generate").messages.count_tokens(request)
+
+    if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"):
+
+        @app.post("/v1/load_lora_adapter", responses=_ERRORS)
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            servings = state.require_servings("generate")
+            return Response(await servings.models.load_lora_adapter(request), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            servings = state.require_servings("generate")
+            return Response(servings.models.unload_lora_adapter(request), media_type="text/plain")
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMS)
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:

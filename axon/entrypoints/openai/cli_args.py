@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from axon.config import AxonConfig
 from axon.engine.core_proc import DEFAULT_HEARTBEAT_TIMEOUT_S
 
 DEFAULT_MAX_REQUEST_BODY_SIZE = 32 * 1024 * 1024
@@ -101,6 +102,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tool-call-parser", default=None, help="how tool calls are read from text: hermes, llama3_json"
     )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served as models of their own name (needs --enable-lora); "
+        'also JSON: {"name": ..., "path": ...}',
+    )
 
 
 def validate_server_args(args: argparse.Namespace) -> None:
@@ -120,6 +129,44 @@ def validate_server_args(args: argparse.Namespace) -> None:
         from axon.entrypoints.openai.tool_parsers import get_tool_parser
 
         get_tool_parser(args.tool_call_parser)
+
+
+def check_lora_modules(args: argparse.Namespace, config: AxonConfig) -> None:
+    """--lora-modules against the engine: LoRA on, and every adapter folder fit for the model
+    (before the model loads)."""
+    modules = lora_modules(args.lora_modules)
+    if not modules:
+        return
+    lo = config.lora_config
+    if not lo.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    from axon.model.layers.lora import decoder_layer_shapes, load_peft_adapter
+
+    shapes = decoder_layer_shapes(config.model_config.hf_config or {})
+    for name, path in modules:
+        load_peft_adapter(path, name, shapes, lo.max_lora_rank)
+
+
+def lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    """``--lora-modules``: (name, path) pairs from NAME=PATH or vLLM's JSON form."""
+    out = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-modules {value!r}: JSON needs 'name' and 'path' ({e})") from None
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {value!r}: give NAME=PATH")
+        out.append((name, path))
+    names = [n for n, _ in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--lora-modules names {twice[0]!r} twice")
+    return out
 
 
 def load_chat_template(value: str | None) -> str | None:

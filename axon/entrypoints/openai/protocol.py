@@ -332,6 +332,16 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 # ---- models, tokenization --------------------------------------------------------------------
+class LoadLoRAAdapterRequest(RequestModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class ModelCard(OpenAIBaseModel):
     id: str
     object: Literal["model"] = "model"

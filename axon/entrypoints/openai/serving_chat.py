@@ -97,7 +97,8 @@ class OpenAIServingChat(OpenAIServing):
         ticket = self.ctx.admission.admit(params.n)
         try:
             watch = None if request.stream else raw_request
-            stream = self.open_stream(request_id, [prompt_token_ids], params, watch, images)
+            lora = self.lora_request(request.model)
+            stream = self.open_stream(request_id, [prompt_token_ids], params, watch, images, lora)
         except Exception:
             ticket.release()
             raise

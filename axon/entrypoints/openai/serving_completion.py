@@ -106,7 +106,11 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             engine_prompts = [p.engine_prompt() for p in prompts]
             stream = self.open_stream(
-                request_id, engine_prompts, params, None if request.stream else raw_request
+                request_id,
+                engine_prompts,
+                params,
+                None if request.stream else raw_request,
+                lora_request=self.lora_request(request.model),
             )
         except Exception:
             ticket.release()

@@ -28,6 +28,7 @@ from axon.entrypoints.openai.errors import bad_request, model_not_found, unavail
 from axon.entrypoints.openai.protocol import ChatMessage, SamplingFields, UsageInfo
 from axon.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from axon.entrypoints.openai.tool_choice import tool_message_fields
+from axon.lora.request import LoRARequest
 from axon.multimodal.prompts import split_chat_images
 from axon.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from axon.sampling_params import RequestOutputKind, SamplingParams
@@ -113,6 +114,8 @@ class ServingContext:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
+    # LoRA adapters served as models of their own name (--lora-modules, /v1/load_lora_adapter)
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     prompt_pool: ThreadPoolExecutor = field(default_factory=_prompt_pool)
 
     @functools.cached_property
@@ -145,8 +148,16 @@ class OpenAIServing:
         return self.ctx.served_model_names[0]
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.ctx.served_model_names:
+        if (
+            model is not None
+            and model not in self.ctx.served_model_names
+            and model not in self.ctx.lora_modules
+        ):
             raise model_not_found(model)
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        return self.ctx.lora_modules.get(model) if model is not None else None
 
     def check_accepting(self) -> None:
         if self.ctx.shutdown_event.is_set():
@@ -348,6 +359,7 @@ class OpenAIServing:
         params: SamplingParams,
         raw_request: Request | None,
         images: list[Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> OutputStream:
         """``prompts``: token-id lists, or engine prompts (``{"prompt_embeds": ...}``);
         ``images``: a chat prompt's processed images (``expand_images``)."""
@@ -358,6 +370,7 @@ class OpenAIServing:
                 params,
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 RequestOutputKind.DELTA,
+                lora_request=lora_request,
             )
             for i, prompt in enumerate(prompts)
         ]

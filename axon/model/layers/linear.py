@@ -152,8 +152,16 @@ def pack_linears(model: nn.Module, backend: str, batch_hint: int) -> int:
         targets = [t for t in targets if t[2].in_features % 2 == 0]
     for parent, name, child in targets:
         layer = CpuBf16Linear(child) if backend == "cpu_bf16" else PackedLinear(child, batch_hint)
+        keep_output_sizes(child, layer)
         setattr(parent, name, layer)
     return len(targets)
+
+
+def keep_output_sizes(old: nn.Module, new: nn.Module) -> None:
+    """A merged layer's replacement (packed, quantized) keeps its shards' sizes (LoRA reads them)."""
+    sizes = getattr(old, "output_sizes", None)
+    if sizes is not None:
+        new.output_sizes = sizes
 
 
 @torch.library.custom_op("axon::packed_linear", mutates_args=())

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axon.model.layers.linear import keep_output_sizes
 from axon.model.layers.moe import FusedMoE
 
 # Code kinds, as the C++ kernel numbers them.
@@ -454,6 +455,8 @@ def quantize_linears(
             )
         bias = child.bias.detach() if child.bias is not None else None
         layer_class = W8A8Linear if method == "w8a8" else QuantLinear
-        setattr(parent, name, layer_class(weight, bias, use_kernel))
+        layer = layer_class(weight, bias, use_kernel)
+        keep_output_sizes(child, layer)
+        setattr(parent, name, layer)
         count += 1
     return count
