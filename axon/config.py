@@ -65,6 +65,9 @@ class ModelConfig:
     limit_mm_per_prompt: dict[str, Any] | None = None
     """Multimodal models, JSON: the most items of each modality one prompt may hold, {"image": N};
     None: 8 images."""
+    enable_sleep_mode: bool = False
+    """Allow sleep and wake_up (vLLM's flag; the server's POST /sleep, /wake_up, GET
+    /is_sleeping): sleeping releases the KV cache's memory, waking allocates it again."""
     enable_prompt_embeds: bool = False
     """Accept prompts given as embeddings (vLLM's flag): offline {"prompt_embeds": tensor
     [num_tokens, hidden]}, on the server a completion's prompt_embeds (base64 of torch.save).

@@ -118,3 +118,6 @@ class SchedulerStats(msgspec.Struct):
     model_load_time_s: float | None = None
     startup_time_s: float | None = None
     kv_transfer: KVTransferStats | None = None  # KV connector transfers since the last report
+    # LoRA: the adapters of the running and the waiting requests, by name (None: LoRA is off).
+    running_lora_adapters: list[str] | None = None
+    waiting_lora_adapters: list[str] | None = None

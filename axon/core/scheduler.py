@@ -632,4 +632,11 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec_stats.take() if self.draft_policy is not None else None,
             kv_transfer=self.kv_transfer_stats.take(),
+            running_lora_adapters=self._adapter_names(self.running),
+            waiting_lora_adapters=self._adapter_names(self.waiting),
         )
+
+    def _adapter_names(self, requests: Iterable[Request]) -> list[str] | None:
+        if self.max_loras is None:
+            return None
+        return sorted({r.lora.name for r in requests if r.lora is not None})

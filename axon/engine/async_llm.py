@@ -106,6 +106,7 @@ class AsyncLLM:
         self._tasks: list[asyncio.Task[None]] = []  # output loops, the handshake server
         self._utility_calls: dict[int, asyncio.Future[Any]] = {}  # call id -> its answer
         self._call_ids = itertools.count()
+        self.sleeping = False  # the cores' KV caches released (sleep): requests are refused
 
     def _make_cores(self, config: AxonConfig) -> list[EngineCoreHandle]:
         """Ranks 0..L-1 (--data-parallel-size-local) run here, the others on other hosts."""
@@ -175,8 +176,8 @@ class AsyncLLM:
                 return problem
         return None
 
-    async def call_utility(self, method: str) -> list[Any]:
-        """``EngineCore.<method>()`` on every core, between their steps; the results by core."""
+    async def call_utility(self, method: str, *args: Any) -> list[Any]:
+        """``EngineCore.<method>(*args)`` on every core, between their steps; the results by core."""
         if self.errored:
             raise EngineDeadError(self.dead_error or "the engine core is not running")
         loop = asyncio.get_running_loop()
@@ -185,8 +186,24 @@ class AsyncLLM:
             call_id = next(self._call_ids)
             self._utility_calls[call_id] = future = loop.create_future()
             calls.append(future)
-            await core.input.send_multipart(encode(UTILITY, [call_id, method]))
+            await core.input.send_multipart(encode(UTILITY, [call_id, method, list(args)]))
         return list(await asyncio.gather(*calls))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Release every core's KV cache (ValueError: why not; requests in flight among them)."""
+        if self._queues:
+            raise ValueError("requests are still running: sleep when the engine is idle")
+        was_sleeping, self.sleeping = self.sleeping, True  # no new request from here on
+        problems = [p for p in await self.call_utility("sleep", level) if p is not None]
+        if problems:
+            if not was_sleeping:  # a core that did sleep wakes again
+                await self.call_utility("wake_up")
+                self.sleeping = False
+            raise ValueError(problems[0])
+
+    async def wake_up(self) -> None:
+        await self.call_utility("wake_up")
+        self.sleeping = False
 
     # ---- requests ----------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
@@ -211,6 +228,8 @@ class AsyncLLM:
         """
         if self.errored:
             raise EngineDeadError(self.dead_error or "the engine core is not running")
+        if self.sleeping:
+            raise ValueError("the engine is sleeping: wake it up first (POST /wake_up)")
         request_id = f"{request_id or 'req'}-{next(self._counter)}"
         text, prompt_token_ids, children = self.input_processor.process(
             request_id, prompt, params, lora_request

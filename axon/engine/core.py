@@ -86,6 +86,7 @@ class EngineCore:
             self.scheduler.kv_cache_manager.enable_kv_cache_events()
         logger.info("engine core ready in %.1f s", self.startup_time_s)
         self._reported_startup = False
+        self.sleeping = False  # the KV cache's memory released (sleep); no request may run
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(
@@ -195,6 +196,34 @@ class EngineCore:
         compiles = self.executor.compile_pending()
         self._unreported_compiles += compiles
         return bool(compiles)
+
+    def sleep(self, level: int = 1) -> str | None:
+        """Release the KV cache's memory (vLLM's sleep level 1; the weights stay in host memory).
+        None when asleep, else why not (requests still running, a level not supported)."""
+        if level == 2:
+            return (
+                "sleep level 2 (discarding the weights) is not supported: level 1 releases the KV "
+                "cache, and the weights stay in host memory"
+            )
+        if level != 1:
+            return f"sleep level must be 1 or 2, got {level}"
+        if self.has_unfinished_requests():
+            return "requests are still running: sleep when the engine is idle"
+        if self.scheduler.connector is not None:
+            return "a KV connector's registered cache cannot be released"
+        if not self.sleeping:
+            assert self.reset_prefix_cache(), "no request holds blocks"
+            self.executor.sleep()
+            self.sleeping = True
+        return None
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.executor.wake_up()
+            self.sleeping = False
+
+    def is_sleeping(self) -> bool:
+        return self.sleeping
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's /reset_prefix_cache); False while a running

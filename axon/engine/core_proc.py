@@ -43,9 +43,9 @@ logger = logging.getLogger(__name__)
 
 ADD, ABORT, SHUTDOWN, UTILITY = b"ADD", b"ABORT", b"SHUTDOWN", b"UTILITY"
 READY, OUTPUTS, DEAD, HEARTBEAT = b"READY", b"OUTPUTS", b"DEAD", b"HEARTBEAT"
-# The engine core's methods the front end may call between steps (UTILITY [call id, method]),
+# The engine core's methods the front end may call between steps (UTILITY [call id, method, args]),
 # each answered with UTILITY [call id, result].
-UTILITY_METHODS = frozenset({"reset_prefix_cache"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "sleep", "wake_up", "is_sleeping"})
 HEARTBEAT_INTERVAL_S = 1.0
 # Silence after which the front end calls the core stalled: many missed heartbeats, so a busy
 # machine or a long compile (which still lets the heartbeat thread run) does not trip it.
@@ -173,9 +173,9 @@ def _loop(core: Any, inp: zmq.Socket, out: zmq.Socket, step: Callable[[], Engine
             if kind == ADD:
                 core.add_request(decode_request(payload))
             elif kind == UTILITY:
-                call_id, method = msgspec.msgpack.decode(payload)
+                call_id, method, args = msgspec.msgpack.decode(payload)
                 assert method in UTILITY_METHODS, f"not a utility method: {method!r}"
-                out.send_multipart(encode(UTILITY, [call_id, getattr(core, method)()]))
+                out.send_multipart(encode(UTILITY, [call_id, getattr(core, method)(*args)]))
             elif kind == ABORT:
                 core.abort_requests(msgspec.msgpack.decode(payload))
                 # Report the freed KV at once, even if no step follows.

@@ -102,6 +102,15 @@ class EncoderEngineCore:
     def reset_prefix_cache(self) -> bool:
         return True  # no KV cache
 
+    def sleep(self, level: int = 1) -> str | None:
+        return None  # no KV cache to release
+
+    def wake_up(self) -> None:
+        pass
+
+    def is_sleeping(self) -> bool:
+        return False
+
     def compile_pending(self) -> bool:
         return False  # the tower runs eagerly
 

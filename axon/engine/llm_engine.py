@@ -42,6 +42,8 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and enqueue one request (n children when params.n > 1). Raises ValueError."""
+        if self.engine_core.is_sleeping():
+            raise ValueError("the engine is sleeping: call wake_up() first")
         request_id = request_id if request_id is not None else str(next(self._counter))
         text, prompt_token_ids, children = self.input_processor.process(
             request_id, prompt, params, lora_request
@@ -85,6 +87,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache's memory until ``wake_up`` (enable_sleep_mode)."""
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError("sleep needs the engine started with enable_sleep_mode (--enable-sleep-mode)")
+        problem = self.engine_core.sleep(level)
+        if problem is not None:
+            raise ValueError(problem)
+
+    def wake_up(self) -> None:
+        self.engine_core.wake_up()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -100,6 +100,14 @@ class LLM:
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         return self._run(prompts, params, use_tqdm, loras)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``LLM.sleep``: release the KV cache's memory (level 1; the weights stay in host
+        memory) until ``wake_up``. Needs ``enable_sleep_mode``."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.llm_engine.wake_up()
+
     def _require_generate(self) -> None:
         if self.runner_type != "generate":
             raise ValueError(

@@ -91,6 +91,16 @@ class Executor(ABC):
         """Idle, nothing in flight: compile the buckets traffic reached; the compile events
         (empty: nothing was pending)."""
 
+    def sleep(self) -> None:
+        """Every worker releases its KV cache's memory (no step in flight)."""
+        self._call_workers("sleep")
+
+    def wake_up(self) -> None:
+        self._call_workers("wake_up")
+
+    def _call_workers(self, method: str) -> None:
+        raise NotImplementedError
+
     def check_health(self) -> None:
         """Raise if a worker has failed (called by the idle engine loop; a step's future raises
         on its own)."""
@@ -134,6 +144,9 @@ class MultiRankExecutor(Executor):
 
     def compile_pending(self) -> list[CompileEvent]:
         return self._call_all("compile_pending")[0]
+
+    def _call_workers(self, method: str) -> None:
+        self._call_all(method)
 
 
 class WorkerError(RuntimeError):

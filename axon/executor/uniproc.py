@@ -62,6 +62,9 @@ class UniProcExecutor(Executor):
     def compile_pending(self) -> list[CompileEvent]:
         return self.worker.compile_pending()
 
+    def _call_workers(self, method: str) -> None:
+        getattr(self.worker, method)()
+
     def shutdown(self) -> None:
         if self._step_thread is not None:
             self._step_thread.shutdown(wait=False, cancel_futures=True)

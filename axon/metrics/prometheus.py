@@ -81,6 +81,7 @@ class PrometheusStatLogger:
         cache_config_info: Mapping[str, object] | None = None,
         num_speculative_tokens: int = 0,
         kv_connector: str | None = None,
+        max_lora: int | None = None,
     ) -> None:
         assert engine_indexes, "at least one engine"
         self.registry = CollectorRegistry(auto_describe=True)
@@ -104,6 +105,18 @@ class PrometheusStatLogger:
         self.kv_transfer = (
             KVTransferProm(self.registry, self.labelnames, self.labelvalues_per_engine, kv_connector)
             if kv_connector
+            else None
+        )
+        self.max_lora = max_lora
+        self._lora_labels: tuple[str, ...] | None = None
+        self.lora_info = (
+            Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
+            if max_lora is not None
             else None
         )
 
@@ -139,6 +152,8 @@ class PrometheusStatLogger:
             self.spec_decoding.record(stats.spec_decoding, engine_idx)
         if self.kv_transfer is not None and stats.kv_transfer is not None:
             self.kv_transfer.record(stats.kv_transfer, engine_idx)
+        if self.lora_info is not None and stats.running_lora_adapters is not None:
+            self._record_lora(stats)
         self.num_requests_running[engine_idx].set(stats.num_running_reqs)
         self.num_requests_waiting[engine_idx].set(stats.num_waiting_reqs)
         self.kv_cache_usage_perc[engine_idx].set(stats.kv_cache_usage)
@@ -150,6 +165,20 @@ class PrometheusStatLogger:
             increase = stats.num_preemptions
         self.num_preemptions[engine_idx].inc(increase)
         self._last_num_preemptions[engine_idx] = stats.num_preemptions
+
+    def _record_lora(self, stats: SchedulerStats) -> None:
+        """vLLM's ``lora_requests_info``: one series, its labels the adapters running and
+        waiting (comma-separated), its value when they were last reported."""
+        assert self.lora_info is not None
+        labels = (
+            str(self.max_lora),
+            ",".join(stats.waiting_lora_adapters or []),
+            ",".join(stats.running_lora_adapters or []),
+        )
+        if self._lora_labels is not None and self._lora_labels != labels:
+            self.lora_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     def _record_iteration(self, it: IterationStats, engine_idx: int) -> None:
         self.prompt_tokens[engine_idx].inc(it.num_prompt_tokens)

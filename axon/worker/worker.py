@@ -362,6 +362,21 @@ class Worker:
             return decision.num_blocks * p.attention_dp_size
         return decision.num_blocks
 
+    def sleep(self) -> None:
+        """Release the KV cache's memory. Each cache tensor keeps its identity (the attention
+        layers and compiled graphs hold it) and becomes empty; ``wake_up`` gives it storage of
+        its old shape again, zeroed."""
+        self._slept_shapes = [tuple(t.shape) for kv in self.kv_caches for t in kv]
+        for kv in self.kv_caches:
+            for t in kv:
+                t.set_(torch.empty(0, dtype=t.dtype, device=t.device))
+
+    def wake_up(self) -> None:
+        shapes = iter(self._slept_shapes)
+        for kv in self.kv_caches:
+            for t in kv:
+                t.set_(_zeros(next(shapes), t.dtype, self.device))
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if self.encoder_only:  # nothing is written or read: the layers only learn their index
             for i, layer in enumerate(self.model.attention_layers()):

@@ -198,6 +198,10 @@ def test_axon_serve_with_lora_modules(base: str, adapters: list[LoRARequest], tm
 
         for name in ("a", "b", "base"):
             assert texts[name] == decode(expected[name]), name
+        import httpx
+
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'vllm:lora_requests_info{max_lora="2"' in metrics  # vLLM's series, its adapters in labels
         httpx_post = openai.OpenAI(base_url=server.url, api_key="none").post
         ok = httpx_post(
             "/v1/load_lora_adapter", body={"lora_name": "c", "lora_path": c.lora_path}, cast_to=str

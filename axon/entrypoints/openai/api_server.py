@@ -129,6 +129,7 @@ class ServerState:
             cache_config_info=dataclasses.asdict(config.cache_config),
             num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0,
             kv_connector=(config.kv_transfer_config.kv_transfer_config or {}).get("kv_connector"),
+            max_lora=config.lora_config.max_loras if config.lora_config.enable_lora else None,
         )
         self.stat_loggers: list[StatLogger] = [self.prometheus]
         if not config.observability_config.disable_log_stats:
@@ -362,6 +363,26 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def load() -> JSONResponse:
         servings = state.servings
         return JSONResponse({"server_load": servings.ctx.admission.num_inflight_seqs if servings else 0})
+
+    if state.config.model_config.enable_sleep_mode:
+
+        @app.post("/sleep")
+        async def sleep(level: int = 1) -> Response:
+            engine = state.require_servings().ctx.engine
+            try:
+                await engine.sleep(level)
+            except ValueError as e:
+                raise OpenAIError(str(e), HTTPStatus.BAD_REQUEST, param="level") from None
+            return Response(status_code=HTTPStatus.OK)
+
+        @app.post("/wake_up")
+        async def wake_up() -> Response:
+            await state.require_servings().ctx.engine.wake_up()
+            return Response(status_code=HTTPStatus.OK)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> JSONResponse:
+            return JSONResponse({"is_sleeping": state.require_servings().ctx.engine.sleeping})
 
     if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":  # vLLM's development routes
 

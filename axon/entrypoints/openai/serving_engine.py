@@ -165,6 +165,8 @@ class OpenAIServing:
         if self.engine.errored:
             # The cause (a traceback) is in the log, never in a response.
             raise unavailable("The engine is dead; the server is shutting down.", code="engine_dead")
+        if self.engine.sleeping:
+            raise unavailable("The engine is sleeping: POST /wake_up first.", code="engine_sleeping")
 
     def check_unsupported(self, request: SamplingFields) -> None:
         if request.use_beam_search:
