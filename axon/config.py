@@ -272,6 +272,10 @@ class KVTransferConfig:
 class ObservabilityConfig:
     disable_log_stats: bool = False
     """Do not log throughput and KV usage every 10 s."""
+    profiler_config: dict[str, Any] | None = None
+    """JSON (vLLM's keys): {"profiler": "torch", "torch_profiler_dir": DIR, ...}: the server's
+    POST /start_profile and /stop_profile write Chrome traces of every engine process into DIR
+    (axon/debug/profiler.py); None: $VLLM_TORCH_PROFILER_DIR, else no profiling."""
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,7 @@ _JSON_OPTIONS = {
     "kv_transfer_config",
     "kv_events_config",
     "ec_transfer_config",
+    "profiler_config",
     "additional_config",
     "pooler_config",
     "limit_mm_per_prompt",

@@ -16,6 +16,7 @@ from axon.config import (
     replace,
     validate_config,
 )
+from axon.debug.profiler import parse_profiler_config
 from axon.kv_transfer.config import parse_kv_transfer_config
 from axon.kv_transfer.ec_connector import parse_ec_transfer_config
 from axon.kv_transfer.kv_events import parse_kv_events_config
@@ -48,6 +49,7 @@ def create_engine_config(**kwargs: Any) -> AxonConfig:
 def resolve_config(config: AxonConfig) -> AxonConfig:
     """Locate and read the model, then fill every "auto"/None value. Returns a new tree."""
     _check_structured_outputs(config.structured_outputs_config)  # before any model work
+    parse_profiler_config(config.observability_config.profiler_config)
     m = config.model_config
     cache_root = m.cache_root or default_cache_root()
     # No model with runner="pooling": the bundled embedding model, not the generative one.

@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 import zmq.asyncio
+from torch.profiler import record_function
 
 from axon.config import AxonConfig
 from axon.engine.core_client import (
@@ -364,7 +365,8 @@ class AsyncLLM:
             times = self._times.get(out.req_id)
             if times is not None:
                 iteration.update_from_output(out, times)
-        request_outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
+        with record_function("detokenize"):
+            request_outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
         if stopped:
             await core.input.send_multipart(encode(ABORT, stopped))
         for out in core_outputs.outputs:

@@ -20,10 +20,13 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from torch.profiler import record_function
+
 from axon.config import AxonConfig, blocks_per_seq, replace
 from axon.core.kv_cache_utils import make_block_hasher
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
+from axon.debug.profiler import Profiler, parse_profiler_config
 from axon.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from axon.engine.tokenizer import get_tokenizer
 from axon.executor.abstract import Executor
@@ -87,6 +90,9 @@ class EngineCore:
         logger.info("engine core ready in %.1f s", self.startup_time_s)
         self._reported_startup = False
         self.sleeping = False  # the KV cache's memory released (sleep); no request may run
+        settings = parse_profiler_config(config.observability_config.profiler_config)
+        rank = config.parallel_config.data_parallel_rank
+        self.profiler = None if settings is None else Profiler(settings, f"axon-engine-core-{rank}")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(
@@ -118,7 +124,9 @@ class EngineCore:
         if self._in_flight is None:
             if not self.has_unfinished_requests():
                 return EngineCoreOutputs(outputs=[])
-            self._in_flight = self._execute(self._schedule())
+            with record_function("schedule"):
+                scheduler_output = self._schedule()
+            self._in_flight = self._execute(scheduler_output)
         scheduler_output, future = self._in_flight
         self._in_flight = None
         if self.async_scheduling:
@@ -168,7 +176,8 @@ class EngineCore:
         outputs: list[EngineCoreOutput] | None = None,
     ) -> EngineCoreOutputs:
         if outputs is None:
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            with record_function("update"):
+                outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
@@ -196,6 +205,21 @@ class EngineCore:
         compiles = self.executor.compile_pending()
         self._unreported_compiles += compiles
         return bool(compiles)
+
+    def start_profile(self) -> bool:
+        """Profile this process (and every worker process) until ``stop_profile``; False: off."""
+        if self.profiler is None:
+            return False
+        self.profiler.start()
+        self.executor.start_profile()
+        return True
+
+    def stop_profile(self) -> list[str]:
+        """Stop profiling; the trace files written (this process's, then the workers')."""
+        if self.profiler is None or not self.profiler.running:
+            return []
+        path = self.profiler.stop()
+        return [p for p in [path, *self.executor.stop_profile()] if p]
 
     def sleep(self, level: int = 1) -> str | None:
         """Release the KV cache's memory (vLLM's sleep level 1; the weights stay in host memory).

@@ -45,7 +45,9 @@ ADD, ABORT, SHUTDOWN, UTILITY = b"ADD", b"ABORT", b"SHUTDOWN", b"UTILITY"
 READY, OUTPUTS, DEAD, HEARTBEAT = b"READY", b"OUTPUTS", b"DEAD", b"HEARTBEAT"
 # The engine core's methods the front end may call between steps (UTILITY [call id, method, args]),
 # each answered with UTILITY [call id, result].
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "sleep", "wake_up", "is_sleeping"})
+UTILITY_METHODS = frozenset(
+    {"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "start_profile", "stop_profile"}
+)
 HEARTBEAT_INTERVAL_S = 1.0
 # Silence after which the front end calls the core stalled: many missed heartbeats, so a busy
 # machine or a long compile (which still lets the heartbeat thread run) does not trip it.

@@ -102,6 +102,12 @@ class EncoderEngineCore:
     def reset_prefix_cache(self) -> bool:
         return True  # no KV cache
 
+    def start_profile(self) -> bool:
+        return False
+
+    def stop_profile(self) -> list[str]:
+        return []
+
     def sleep(self, level: int = 1) -> str | None:
         return None  # no KV cache to release
 

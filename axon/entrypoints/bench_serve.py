@@ -135,6 +135,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("results")
     r.add_argument("--disable-tqdm", action="store_true")
     r.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    r.add_argument(
+        "--profile",
+        action="store_true",
+        help="POST /start_profile before the run and /stop_profile after it (the server needs "
+        "--profiler-config)",
+    )
     r.add_argument("--save-result", action="store_true")
     r.add_argument("--result-dir", default=".")
     r.add_argument("--result-filename", default=None)
@@ -434,6 +440,19 @@ async def first_model(session: Any, url: str) -> str:
     return models[0]["id"]
 
 
+async def _profile_call(session: Any, url: str, route: str) -> None:
+    async with session.post(f"{url}/{route}") as response:
+        if response.status != 200:
+            raise ValueError(
+                f"POST {url}/{route} answered {response.status}: start the server with --profiler-config"
+            )
+        if route == "stop_profile":
+            print(
+                "Profiler traces:",
+                ", ".join((await response.json()).get("traces", [])) or "written by the server",
+            )
+
+
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark, print vLLM's result table and return (and maybe save) the result."""
     import aiohttp
@@ -467,11 +486,15 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     semaphore.release()
                 progress.update(1)
 
+        if args.profile:
+            await _profile_call(session, url, "start_profile")
         start = time.perf_counter()
         tasks = [asyncio.create_task(one(req)) async for req in arrivals(requests, intervals)]
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         progress.close()
+        if args.profile:
+            await _profile_call(session, url, "stop_profile")
     result = calculate_metrics(results, duration, parse_percentiles(args.metric_percentiles))
     result.update(
         date=datetime.now().strftime("%Y%m%d-%H%M%S"),

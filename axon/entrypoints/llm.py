@@ -100,6 +100,16 @@ class LLM:
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         return self._run(prompts, params, use_tqdm, loras)
 
+    def start_profile(self) -> None:
+        """vLLM's ``LLM.start_profile``: profile the engine until ``stop_profile`` (needs
+        ``profiler_config`` or $VLLM_TORCH_PROFILER_DIR)."""
+        if not self.llm_engine.engine_core.start_profile():
+            raise ValueError("profiling needs profiler_config (or $VLLM_TORCH_PROFILER_DIR)")
+
+    def stop_profile(self) -> list[str]:
+        """Stop profiling; the Chrome trace files written."""
+        return self.llm_engine.engine_core.stop_profile()
+
     def sleep(self, level: int = 1) -> None:
         """vLLM's ``LLM.sleep``: release the KV cache's memory (level 1; the weights stay in host
         memory) until ``wake_up``. Needs ``enable_sleep_mode``."""

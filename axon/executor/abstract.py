@@ -91,6 +91,13 @@ class Executor(ABC):
         """Idle, nothing in flight: compile the buckets traffic reached; the compile events
         (empty: nothing was pending)."""
 
+    def start_profile(self) -> None:
+        """Profile every worker process (an in-process worker is in the engine core's profile)."""
+
+    def stop_profile(self) -> list[str]:
+        """The trace files the worker processes wrote."""
+        return []
+
     def sleep(self) -> None:
         """Every worker releases its KV cache's memory (no step in flight)."""
         self._call_workers("sleep")
@@ -147,6 +154,12 @@ class MultiRankExecutor(Executor):
 
     def _call_workers(self, method: str) -> None:
         self._call_all(method)
+
+    def start_profile(self) -> None:
+        self._call_all("start_profile")
+
+    def stop_profile(self) -> list[str]:
+        return [p for p in self._call_all("stop_profile") if p]
 
 
 class WorkerError(RuntimeError):

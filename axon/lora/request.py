@@ -16,7 +16,11 @@ class LoRARequest:
     lora_path: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+        if (
+            not isinstance(self.lora_int_id, int)
+            or isinstance(self.lora_int_id, bool)
+            or self.lora_int_id < 1
+        ):
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not self.lora_name:
             raise ValueError("lora_name must not be empty")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from axon.distributed.parallel_state import get_tp_group
 from axon.forward_context import set_forward_context
@@ -103,9 +104,12 @@ class ModelRunner:
                 self.proposer.begin(new.req_id, new.num_computed_tokens)
         if sched.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        inputs = self.prepare_inputs(sched)
-        hidden, aux = self.run_forward(inputs)  # [T, hidden], [T, aux] or None
-        sampled, logprobs = self.sample(inputs, hidden)
+        with record_function("prepare_inputs"):
+            inputs = self.prepare_inputs(sched)
+        with record_function(f"forward {inputs.bucket.name}"):
+            hidden, aux = self.run_forward(inputs)  # [T, hidden], [T, aux] or None
+        with record_function("sample"):
+            sampled, logprobs = self.sample(inputs, hidden)
         prompt_logprobs = self.compute_prompt_logprobs(inputs, hidden, sched)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,

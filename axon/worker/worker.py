@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from axon.config import AxonConfig, blocks_per_seq
+from axon.debug.profiler import Profiler, parse_profiler_config
 from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel, set_expert_parallel
 from axon.kv_transfer.base import KVConnectorWorker
 from axon.kv_transfer.config import parse_kv_transfer_config
@@ -202,6 +203,7 @@ class Worker:
             lora_manager=lora_manager,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._profiler: Profiler | None = None
         self.kv_connector: KVConnectorWorker | None = None  # disaggregated serving
         self.kv_window = self._decide_kv_window()
 
@@ -361,6 +363,17 @@ class Worker:
             )
             return decision.num_blocks * p.attention_dp_size
         return decision.num_blocks
+
+    def start_profile(self) -> None:
+        """A worker process of a multi-rank executor profiles itself (``profiler_config``)."""
+        settings = parse_profiler_config(self.config.observability_config.profiler_config)
+        if settings is not None:
+            if self._profiler is None:
+                self._profiler = Profiler(settings, f"axon-worker-rank{self.rank}")
+            self._profiler.start()
+
+    def stop_profile(self) -> str | None:
+        return self._profiler.stop() if self._profiler is not None else None
 
     def sleep(self) -> None:
         """Release the KV cache's memory. Each cache tensor keeps its identity (the attention

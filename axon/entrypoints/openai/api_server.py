@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from axon.config import AxonConfig
+from axon.debug.profiler import Profiler, parse_profiler_config
 from axon.engine.async_llm import AsyncLLM
 from axon.entrypoints.openai import cli_args
 from axon.entrypoints.openai.errors import OpenAIError, anthropic_error, from_exception, unavailable
@@ -363,6 +364,24 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def load() -> JSONResponse:
         servings = state.servings
         return JSONResponse({"server_load": servings.ctx.admission.num_inflight_seqs if servings else 0})
+
+    profiler_settings = parse_profiler_config(state.config.observability_config.profiler_config)
+    if profiler_settings is not None:  # vLLM's routes, 404 without a profiler config
+        front_profiler = Profiler(profiler_settings, "axon-api-server")
+
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            engine = state.require_servings().ctx.engine
+            front_profiler.start()
+            await engine.call_utility("start_profile")
+            return Response(status_code=HTTPStatus.OK)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> JSONResponse:
+            engine = state.require_servings().ctx.engine
+            traces = [p for paths in await engine.call_utility("stop_profile") for p in paths]
+            front = front_profiler.stop()
+            return JSONResponse({"traces": traces + ([front] if front else [])})
 
     if state.config.model_config.enable_sleep_mode:
 
