@@ -19,6 +19,10 @@ AXON = Path(__file__).resolve().parents[1] / "axon"
 # order, then the places DESIGN does not list, each with its reason.
 LAYERS: tuple[str, ...] = (
     "__init__",  # axon/__init__.py: the public API re-exports LLM (entrypoints), so it is the top
+    # The accuracy-debugging API (axon.debug: capture, compare, replace, logit validation) drives
+    # whole engines and transformers' models: it sits above entrypoints, whose CLI reaches it
+    # through entrypoints/accuracy.py (the implementation), which it re-exports.
+    "debug",
     "entrypoints",
     "engine",
     "core",
@@ -32,7 +36,6 @@ LAYERS: tuple[str, ...] = (
     "structured_output",
     "kv_transfer",
     "metrics",
-    "debug",
     # Images for multimodal models (processing, prompt expansion, the records sent to the
     # worker): read by engine (input processing), entrypoints (chat) and worker.
     "multimodal",

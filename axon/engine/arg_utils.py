@@ -16,10 +16,10 @@ from axon.config import (
     replace,
     validate_config,
 )
-from axon.debug.profiler import parse_profiler_config
 from axon.kv_transfer.config import parse_kv_transfer_config
 from axon.kv_transfer.ec_connector import parse_ec_transfer_config
 from axon.kv_transfer.kv_events import parse_kv_events_config
+from axon.metrics.profiler import parse_profiler_config
 from axon.model.layers.tensor_parallel import check_share, check_split
 from axon.model.loader import default_model_path, gguf_to_hf_folder, load_hf_config
 from axon.model.loader.default_model import (

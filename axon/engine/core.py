@@ -26,13 +26,13 @@ from axon.config import AxonConfig, blocks_per_seq, replace
 from axon.core.kv_cache_utils import make_block_hasher
 from axon.core.request import Request, RequestStatus
 from axon.core.scheduler import Scheduler
-from axon.debug.profiler import Profiler, parse_profiler_config
 from axon.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from axon.engine.tokenizer import get_tokenizer
 from axon.executor.abstract import Executor
 from axon.kv_transfer.config import parse_kv_transfer_config
 from axon.kv_transfer.factory import make_scheduler_connector
 from axon.kv_transfer.kv_events import make_kv_event_publisher, parse_kv_events_config
+from axon.metrics.profiler import Profiler, parse_profiler_config
 from axon.model.registry import is_encoder_only, resolve_model_class
 from axon.scheduler_output import CompileEvent, ModelRunnerOutput, SchedulerOutput
 from axon.spec_decode.config import parse_spec_decode_config

@@ -159,10 +159,64 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_router_parser(sub)
     _add_train_eagle3_parser(sub)
+    _add_debug_parser(sub)
     from axon.entrypoints.bench_serve import add_bench_parser
 
     add_bench_parser(sub)
     return parser
+
+
+def _add_debug_parser(sub: Any) -> None:
+    debug = sub.add_parser("debug", help="accuracy debugging against transformers")
+    debug_sub = debug.add_subparsers(dest="debug_command", required=True)
+    acc = debug_sub.add_parser(
+        "accuracy",
+        help="logit validation, then per-module capture and compare to find the first layer that "
+        "drifts, then replacement to confirm it; an HTML report (exit 1 when validation fails)",
+    )
+    acc.add_argument("--model", required=True, help="HF folder or .gguf file")
+    acc.add_argument(
+        "--prompts", default=None, help="a text file, one prompt per line (default: four built in)"
+    )
+    acc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    acc.add_argument(
+        "--reference",
+        default=None,
+        help="the HF folder transformers loads as the oracle (default: --model's)",
+    )
+    acc.add_argument("--atol", type=float, default=2e-3, help="per-module compare tolerance (default: 2e-3)")
+    acc.add_argument("--rtol", type=float, default=2e-3)
+    acc.add_argument("--output", required=True, help="the HTML report to write")
+
+
+def cmd_debug(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from axon.entrypoints.accuracy import DEFAULT_PROMPTS, run_accuracy
+
+    prompts = DEFAULT_PROMPTS
+    if args.prompts is not None:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts {args.prompts}: no prompt in the file")
+    bar = tqdm(total=6, desc="accuracy", unit="stage")
+
+    def progress(stage: str) -> None:
+        bar.set_postfix_str(stage)
+        bar.update(1)
+
+    report = run_accuracy(args.model, prompts, args.dtype, args.atol, args.rtol, progress, args.reference)
+    bar.close()
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(report.html)
+    print(report.verdict)
+    if report.comparison.first_divergence:
+        print(f"first divergence: {report.comparison.first_divergence}")
+    if report.confirmation:
+        print(report.confirmation)
+    print(f"report: {args.output}")
+    return 0 if report.validation.passed else 1
 
 
 def _add_chat_parser(sub: Any) -> None:
@@ -525,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": cmd_bench,
         "router": cmd_router,
         "train-eagle3": cmd_train_eagle3,
+        "debug": cmd_debug,
     }
     try:
         return commands[args.command](args)

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from axon.config import AxonConfig, blocks_per_seq
-from axon.debug.profiler import Profiler, parse_profiler_config
 from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel, set_expert_parallel
 from axon.kv_transfer.base import KVConnectorWorker
 from axon.kv_transfer.config import parse_kv_transfer_config
 from axon.kv_transfer.ec_connector import make_ec_connector
 from axon.kv_transfer.factory import make_worker_connector
+from axon.metrics.profiler import Profiler, parse_profiler_config
 from axon.model.layers.attention import get_attention_backend
 from axon.model.layers.linear import resolve_linear_backend
 from axon.model.layers.lora import wrap_lora_layers

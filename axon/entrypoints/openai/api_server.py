@@ -46,7 +46,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from axon.config import AxonConfig
-from axon.debug.profiler import Profiler, parse_profiler_config
 from axon.engine.async_llm import AsyncLLM
 from axon.entrypoints.openai import cli_args
 from axon.entrypoints.openai.errors import OpenAIError, anthropic_error, from_exception, unavailable
@@ -87,6 +86,7 @@ from axon.entrypoints.openai.serving_score import OpenAIServingScore
 from axon.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from axon.lora.request import LoRARequest
 from axon.metrics.loggers import LoggingStatLogger
+from axon.metrics.profiler import Profiler, parse_profiler_config
 from axon.metrics.prometheus import PrometheusStatLogger, render_metrics
 from axon.metrics.stats import StatLogger
 from axon.startup import configure_logging
