@@ -105,3 +105,15 @@ def test_structured_outputs_examples(server: ServerProcess, namespace: dict[str,
     parsed = json.loads(user.choices[0].message.content)
     assert isinstance(parsed["name"], str) and isinstance(parsed["age"], int)
     assert yes_no.choices[0].text in ("yes", "no")
+
+
+def test_responses_and_messages_example(server: ServerProcess) -> None:
+    """The README's Responses and Anthropic Messages example, as written: a chained response
+    (the second one without max_output_tokens, so it ends by itself) and a message."""
+    namespace: dict[str, Any] = {}
+    code = readme_block("python", "client.responses.create").replace(README_URL, server.url)
+    _, printed = run_python(code, namespace)
+    assert printed.strip()
+    assert namespace["second"].previous_response_id == namespace["first"].id
+    assert namespace["second"].status == "completed"
+    assert namespace["message"].type == "message" and namespace["message"].content[0].text
