@@ -236,7 +236,8 @@ class EngineCore:
         if self.scheduler.connector is not None:
             return "a KV connector's registered cache cannot be released"
         if not self.sleeping:
-            assert self.reset_prefix_cache(), "no request holds blocks"
+            reset = self.reset_prefix_cache()  # the cache's content is about to go
+            assert reset, "no request holds blocks"
             self.executor.sleep()
             self.sleeping = True
         return None

@@ -198,7 +198,11 @@ class ModelRunner:
             for state, images in zip(new, encoded, strict=True):
                 state.encoded_images = images
         row_slots: list[int] = []  # each row's LoRA adapter slot (-1: the base model)
-        step_adapters = {s.lora.int_id for s in (self.requests[r] for r in req_ids) if s.lora is not None}
+        step_adapters = (
+            {s.lora.int_id for s in (self.requests[r] for r in req_ids) if s.lora is not None}
+            if self.lora_manager is not None
+            else set()
+        )
         image_parts = []  # (a request's images, start, end, its first row)
         embed_parts = []  # (its first row, its given prompt embeddings for the step's rows)
         image_positions = []  # (its first row, its [3, n] positions)
