@@ -80,6 +80,11 @@ def test_every_option_has_one_owner_and_a_flag() -> None:
             "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'",
         ),
         ({"calculate_kv_scales": True}, "calculate_kv_scales applies only to an FP8 KV cache"),
+        (
+            {"inductor_compile_config": '{"size_assert": false}'},
+            "inductor_compile_config has an option Inductor does not know: 'size_assert'; did you mean 'size_asserts'",
+        ),
+        ({"inductor_compile_config": "[1]"}, "inductor_compile_config must be a JSON object"),
     ],
 )
 def test_invalid_values_are_named(kwargs: dict, name: str) -> None:

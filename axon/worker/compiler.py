@@ -86,6 +86,7 @@ class BucketCompiler:
         cache_dir: str,
         policy: str,
         store_dir: str | None = None,
+        inductor_options: dict[str, Any] | None = None,
     ) -> None:
         assert policy in BUCKET_COMPILE_POLICIES, policy
         self.attention_layers = list(attention_layers)
@@ -100,8 +101,9 @@ class BucketCompiler:
         self._events: list[CompileEvent] = []  # finished since the last take_events()
         _configure_torch_compile(cache_dir, len(self.token_sizes))
         # One compiled function: static shapes give one graph per token count it is called at.
+        # Inductor's options are part of its graph cache's key: other options, other graphs.
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
-            model.forward, dynamic=False, fullgraph=True
+            model.forward, dynamic=False, fullgraph=True, options=inductor_options or None
         )
         self._model = model
         # Each ready bucket's forward as Dynamo rewrote it (its graph called straight from the

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from axon.config import AxonConfig, blocks_per_seq
+from axon.config import AxonConfig, blocks_per_seq, inductor_options
 from axon.distributed.parallel_state import DistributedInit, init_tensor_parallel, set_expert_parallel
 from axon.kv_transfer.base import KVConnectorWorker
 from axon.kv_transfer.config import parse_kv_transfer_config
@@ -239,8 +239,9 @@ class Worker:
             c.block_size,
             self.device,
             cache_dir=os.path.join(m.cache_root, "compile", key),
-            policy=self.config.compilation_config.bucket_compile,
+            policy=comp.bucket_compile,
             store_dir=os.path.join(store, key) if store else None,
+            inductor_options=inductor_options(comp, self.device.type),
         )
 
     def compile_or_warm_up_model(self) -> list[CompileEvent]:

@@ -90,6 +90,43 @@ def test_on_demand_compiles_what_traffic_reached_when_idle(tiny_model_dir, tmp_p
     assert compiler.stats.graph_steps >= 10
 
 
+def _graph_modules(root) -> list[str]:
+    """The Python modules Inductor wrote for the graphs under cache root ``root``."""
+    return [p.read_text() for p in (root / "compile").rglob("*.py")]
+
+
+def test_inductor_options_reach_the_graphs(tiny_model_dir, tmp_path) -> None:
+    """By default (CPU) each bucket's graph calls its kernels from C++ (cpp_wrapper) and checks
+    no input's size and strides; ``inductor_compile_config`` turns either back. The tokens and
+    logprobs are the same bits whichever wrapper calls the kernels, and as eager (bf16)."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+    def run(root: str, **options) -> list:
+        llm = LLM(model=tiny_model_dir("llama"), dtype="bfloat16", max_model_len=128, cache_root=root,
+                  **BUCKETS, **options)  # fmt: skip
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        if not options.get("enforce_eager"):
+            assert sorted(_worker(llm).compiler.stats.records) == [4, 32]
+            assert not _worker(llm).compiler.stats.failures
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    eager = run(str(tmp_path / "eager"), enforce_eager=True)
+    default = run(str(tmp_path / "default"), enforce_eager=False, bucket_compile="warmup")
+    python = run(
+        str(tmp_path / "python"),
+        enforce_eager=False,
+        bucket_compile="warmup",
+        inductor_compile_config={"cpp_wrapper": False, "size_asserts": True},
+    )
+    assert default == eager and python == eager
+    cpp_modules = _graph_modules(tmp_path / "default")
+    assert cpp_modules and all("CppWrapperCodeCache" in m for m in cpp_modules)
+    assert not any("assert_size_stride(" in m for m in cpp_modules)
+    python_modules = _graph_modules(tmp_path / "python")
+    assert python_modules and not any("CppWrapperCodeCache" in m for m in python_modules)
+    assert all("assert_size_stride(" in m for m in python_modules)
+
+
 _START = textwrap.dedent(
     """
     import json, sys
