@@ -53,6 +53,8 @@ bool quant_linear_supported() {
 
 #if defined(AXON_QUANT_LINEAR)
 
+#define AXON_QUANT_INLINE inline __attribute__((always_inline))
+
 // Byte codes (int8 and E4M3) are stored sign-magnitude (bit 7 the sign, bits 0-6 the
 // magnitude; quant.py turns int8's two's complement into it), so one decoder serves both: the
 // magnitude looks up its bf16 bits' high and low bytes in two 128-entry tables (vpermi2b), the
@@ -90,44 +92,56 @@ inline ByteTables make_byte_tables(int64_t kind) {
 }
 
 // 64 stored byte codes -> two blocks of 32 bf16 values.
-inline void bytes_to_bf16(const ByteTables& t, const uint8_t* src, uint16_t* dst0, uint16_t* dst1) {
+inline void bytes_to_bf16(const ByteTables& t, const uint8_t* src, __m512i& out0, __m512i& out1) {
   const __m512i v = _mm512_loadu_si512(src);
   const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi8(0x7f));
   const __m512i hi_bits = _mm512_permutex2var_epi8(t.hi[0], magnitude, t.hi[1]);
   const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], magnitude, t.lo[1]);
   // (a & b) | c, ternary-logic table 0xEA: the code's sign bit into the high byte
   const __m512i hi = _mm512_ternarylogic_epi32(v, _mm512_set1_epi8(static_cast<char>(0x80)), hi_bits, 0xEA);
-  _mm512_storeu_si512(dst0, _mm512_unpacklo_epi8(lo, hi));
-  _mm512_storeu_si512(dst1, _mm512_unpackhi_epi8(lo, hi));
+  out0 = _mm512_unpacklo_epi8(lo, hi);
+  out1 = _mm512_unpackhi_epi8(lo, hi);
 }
 
 template <int64_t kind>
 constexpr int64_t kCodeStepBytes = kind == kUInt4 ? kGroupCols : 2 * kGroupCols;
 
+// One step of a panel's codes (``step``) -> its 4 blocks of 32 bf16 values (2 inputs x 16 columns).
+template <int64_t kind>
+AXON_QUANT_INLINE void decode_step(const ByteTables& tables, const uint8_t* step, __m512i (&w)[4]) {
+  if constexpr (kind == kUInt4) {
+    const __m512i nibble = _mm512_set1_epi16(0x0f), exponent = _mm512_set1_epi16(0x4300);
+    for (int pair = 0; pair < 2; ++pair) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * pair)));
+      // (a & b) | c: ternary-logic table 0xEA
+      w[2 * pair] = _mm512_ternarylogic_epi32(v, nibble, exponent, 0xEA);
+      w[2 * pair + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, exponent, 0xEA);
+    }
+  } else {
+    bytes_to_bf16(tables, step, w[0], w[1]);
+    bytes_to_bf16(tables, step + 64, w[2], w[3]);
+  }
+}
+
+template <int64_t kind>
+const ByteTables& byte_tables() {
+  static const ByteTables tables = make_byte_tables(kind);
+  return tables;
+}
+
 // Steps [first, last) of panel g -> out (kStepElems per step, from step ``first``).
 template <int64_t kind>
 void decode_steps(const QuantWeight& q, int64_t g, int64_t first, int64_t last, const uint8_t* next, uint16_t* out) {
   constexpr int64_t step_bytes = kCodeStepBytes<kind>;
-  static const ByteTables tables = make_byte_tables(kind);
+  const ByteTables& tables = byte_tables<kind>();
   const uint8_t* codes = q.codes + g * q.K2 * step_bytes;
   for (int64_t k2 = first; k2 < last; ++k2) {
     const uint8_t* step = codes + k2 * step_bytes;
     if (next != nullptr && (k2 * step_bytes) % 64 == 0) _mm_prefetch(next + k2 * step_bytes, _MM_HINT_T1);
+    __m512i w[4];
+    decode_step<kind>(tables, step, w);
     uint16_t* dst = out + (k2 - first) * kStepElems;
-    if constexpr (kind == kUInt4) {
-      const __m512i nibble = _mm512_set1_epi16(0x0f), exponent = _mm512_set1_epi16(0x4300);
-      for (int pair = 0; pair < 2; ++pair) {
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * pair)));
-        // (a & b) | c: ternary-logic table 0xEA
-        const __m512i lo = _mm512_ternarylogic_epi32(v, nibble, exponent, 0xEA);
-        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, exponent, 0xEA);
-        _mm512_storeu_si512(dst + 64 * pair, lo);
-        _mm512_storeu_si512(dst + 64 * pair + 32, hi);
-      }
-    } else {
-      bytes_to_bf16(tables, step, dst, dst + 32);
-      bytes_to_bf16(tables, step + 64, dst + 64, dst + 96);
-    }
+    for (int b = 0; b < 4; ++b) _mm512_storeu_si512(dst + 32 * b, w[b]);
   }
 }
 
@@ -202,6 +216,48 @@ inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* pan
   }
 }
 
+// Rows m0 .. m0 + MB - 1 (a decode's few rows) times panel g decoded step by step in registers:
+// no panel buffer written and read back (for one row, that round trip through L2 cost more than
+// the bytes the codes save). Each row's products and sums are quant_panel_rows' own, in its
+// order, so its result is the same bits on either path.
+template <int64_t kind, int MB>
+inline void quant_panel_rows_direct(const uint16_t* x, int64_t ldx, const QuantWeight& q, int64_t g,
+                                    const uint8_t* next, const float* xsum, __m512 (&total)[kRowsPerPass][4]) {
+  constexpr int64_t step_bytes = kCodeStepBytes<kind>;
+  const ByteTables& tables = byte_tables<kind>();
+  const uint8_t* codes = q.codes + g * q.K2 * step_bytes;
+  const int64_t KG = q.KG(), steps = q.group / 2;
+  for (int m = 0; m < MB; ++m) {
+    for (int b = 0; b < 4; ++b) total[m][b] = _mm512_setzero_ps();
+  }
+  for (int64_t kg = 0; kg < KG; ++kg) {
+    __m512 acc[MB][4];
+    for (int m = 0; m < MB; ++m) {
+      for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
+    }
+    for (int64_t k2 = kg * steps; k2 < (kg + 1) * steps; ++k2) {
+      if (next != nullptr && (k2 * step_bytes) % 64 == 0) _mm_prefetch(next + k2 * step_bytes, _MM_HINT_T1);
+      __m512i w[4];
+      decode_step<kind>(tables, codes + k2 * step_bytes, w);
+      for (int m = 0; m < MB; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * ldx + 2 * k2, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], a, (__m512bh)w[b]);
+      }
+    }
+    const GroupTables t = load_group<kind>(q, g, kg);
+    for (int m = 0; m < MB; ++m) {
+      const float xs = t.has_min ? xsum[m * KG + kg] : 0.0f;
+      for (int b = 0; b < 4; ++b) total[m][b] = add_group(total[m][b], acc[m][b], t, b, xs);
+    }
+  }
+}
+
+// Up to this many rows a call decodes each step in registers (quant_panel_rows_direct): its
+// accumulators, the step's 4 vectors and the byte tables fit the 32 registers.
+constexpr int64_t kDirectRows = 4;
+
 // The codes of the thread's next panel after g (its panels end before ``end``), to stream into
 // L2 while panel g is decoded; nullptr after its last.
 template <int64_t kind>
@@ -214,6 +270,21 @@ void run_quant_linear(const uint16_t* x, int64_t M, int64_t K, const QuantWeight
                       const float* bias, out_t* y) {
   const int64_t groups = (N + kGroupCols - 1) / kGroupCols, KG = q.KG();
   const int64_t grain = std::max<int64_t>(1, groups / (4 * at::get_num_threads()));
+  if (M <= kDirectRows) {
+    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+      __m512 total[kRowsPerPass][4];
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* next = next_panel_codes<kind>(q, g, end);
+        switch (M) {
+          case 4: quant_panel_rows_direct<kind, 4>(x, K, q, g, next, xsum, total); store_rows<4>(total, y, N, g * kGroupCols, N, bias); break;
+          case 3: quant_panel_rows_direct<kind, 3>(x, K, q, g, next, xsum, total); store_rows<3>(total, y, N, g * kGroupCols, N, bias); break;
+          case 2: quant_panel_rows_direct<kind, 2>(x, K, q, g, next, xsum, total); store_rows<2>(total, y, N, g * kGroupCols, N, bias); break;
+          default: quant_panel_rows_direct<kind, 1>(x, K, q, g, next, xsum, total); store_rows<1>(total, y, N, g * kGroupCols, N, bias); break;
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> panel(q.K2 * kStepElems);
     __m512 total[kRowsPerPass][4];
