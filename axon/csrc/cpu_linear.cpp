@@ -52,6 +52,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -102,17 +103,40 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 
 #if defined(__AVX512BF16__)
 
-// acc[m][b] += rows m < MB of x (ldx apart) at inputs 2 k2, 2 k2 + 1 times one step of a panel.
+// acc[m][b] += rows m < MB of x (ldx apart) at inputs 2 k2, 2 k2 + 1 times one step of a panel
+// (w: its 4 blocks of 2 inputs x 16 columns, bf16).
 template <int MB>
-inline void step_rows(const uint16_t* x, int64_t ldx, const uint16_t* step, int64_t k2,
+inline void step_rows(const uint16_t* x, int64_t ldx, const __m512i (&w)[4], int64_t k2,
                       __m512 (&acc)[kRowsPerPass][4]) {
-  __m512bh w[4];
-  for (int b = 0; b < 4; ++b) w[b] = (__m512bh)_mm512_loadu_si512(step + 32 * b);
   for (int m = 0; m < MB; ++m) {
     int32_t pair;
     std::memcpy(&pair, x + m * ldx + 2 * k2, sizeof(pair));
     const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-    for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], a, w[b]);
+    for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], a, (__m512bh)w[b]);
+  }
+}
+
+// The same, the step read from memory.
+template <int MB>
+inline void step_rows(const uint16_t* x, int64_t ldx, const uint16_t* step, int64_t k2,
+                      __m512 (&acc)[kRowsPerPass][4]) {
+  __m512i w[4];
+  for (int b = 0; b < 4; ++b) w[b] = _mm512_loadu_si512(step + 32 * b);
+  step_rows<MB>(x, ldx, w, k2, acc);
+}
+
+// fn(std::integral_constant<int, MB>{}) for MB = rows, 1 .. kMax: the row loops size their
+// register blocks at compile time.
+template <int kMax = kRowsPerPass, typename Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  static_assert(kMax >= 1 && kMax <= 6);
+  switch (std::min<int64_t>(rows, kMax)) {
+    case 6: if constexpr (kMax >= 6) fn(std::integral_constant<int, 6>{}); break;
+    case 5: if constexpr (kMax >= 5) fn(std::integral_constant<int, 5>{}); break;
+    case 4: if constexpr (kMax >= 4) fn(std::integral_constant<int, 4>{}); break;
+    case 3: if constexpr (kMax >= 3) fn(std::integral_constant<int, 3>{}); break;
+    case 2: if constexpr (kMax >= 2) fn(std::integral_constant<int, 2>{}); break;
+    default: fn(std::integral_constant<int, 1>{}); break;
   }
 }
 
@@ -182,14 +206,11 @@ void run_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed,
         const uint16_t* xm = x + m0 * K;
         out_t* ym = y + m0 * N;
         const int64_t pass = (m0 - chunk) / kRowsPerPass;
-        switch (std::min<int64_t>(kRowsPerPass, M - m0)) {
-          case 6: panel_rows<6>(xm, K, panel, K2, next, pass, passes, acc); store_rows<6>(acc, ym, N, g * kGroupCols, N, bias); break;
-          case 5: panel_rows<5>(xm, K, panel, K2, next, pass, passes, acc); store_rows<5>(acc, ym, N, g * kGroupCols, N, bias); break;
-          case 4: panel_rows<4>(xm, K, panel, K2, next, pass, passes, acc); store_rows<4>(acc, ym, N, g * kGroupCols, N, bias); break;
-          case 3: panel_rows<3>(xm, K, panel, K2, next, pass, passes, acc); store_rows<3>(acc, ym, N, g * kGroupCols, N, bias); break;
-          case 2: panel_rows<2>(xm, K, panel, K2, next, pass, passes, acc); store_rows<2>(acc, ym, N, g * kGroupCols, N, bias); break;
-          default: panel_rows<1>(xm, K, panel, K2, next, pass, passes, acc); store_rows<1>(acc, ym, N, g * kGroupCols, N, bias); break;
-        }
+        with_rows(M - m0, [&](auto rows) {
+          constexpr int MB = decltype(rows)::value;
+          panel_rows<MB>(xm, K, panel, K2, next, pass, passes, acc);
+          store_rows<MB>(acc, ym, N, g * kGroupCols, N, bias);
+        });
       }
     }
   });

@@ -194,10 +194,12 @@ inline __m512 add_group(__m512 total, __m512 partial, const GroupTables& t, int 
   return total;
 }
 
-// Rows m0 .. m0 + MB - 1 times one decoded panel on vdpbf16ps, group by group, into total.
-template <int64_t kind, int MB>
-inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, const QuantWeight& q,
-                             int64_t g, const float* xsum, __m512 (&total)[kRowsPerPass][4]) {
+// Rows m0 .. m0 + MB - 1 times panel g on vdpbf16ps, group by group, into total; step(k2, w)
+// gives the panel's step k2 as bf16 (read from a decoded panel, or decoded in registers: the
+// same products and sums in the same order, so the same bits).
+template <int64_t kind, int MB, typename StepFn>
+inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const QuantWeight& q, int64_t g, const float* xsum,
+                             StepFn&& step, __m512 (&total)[kRowsPerPass][4]) {
   const int64_t KG = q.KG(), steps = q.group / 2;
   for (int m = 0; m < MB; ++m) {
     for (int b = 0; b < 4; ++b) total[m][b] = _mm512_setzero_ps();
@@ -207,44 +209,10 @@ inline void quant_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* pan
     for (int m = 0; m < MB; ++m) {
       for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
     }
-    for (int64_t k2 = kg * steps; k2 < (kg + 1) * steps; ++k2) step_rows<MB>(x, ldx, panel + k2 * kStepElems, k2, acc);
-    const GroupTables t = load_group<kind>(q, g, kg);
-    for (int m = 0; m < MB; ++m) {
-      const float xs = t.has_min ? xsum[m * KG + kg] : 0.0f;
-      for (int b = 0; b < 4; ++b) total[m][b] = add_group(total[m][b], acc[m][b], t, b, xs);
-    }
-  }
-}
-
-// Rows m0 .. m0 + MB - 1 (a decode's few rows) times panel g decoded step by step in registers:
-// no panel buffer written and read back (for one row, that round trip through L2 cost more than
-// the bytes the codes save). Each row's products and sums are quant_panel_rows' own, in its
-// order, so its result is the same bits on either path.
-template <int64_t kind, int MB>
-inline void quant_panel_rows_direct(const uint16_t* x, int64_t ldx, const QuantWeight& q, int64_t g,
-                                    const uint8_t* next, const float* xsum, __m512 (&total)[kRowsPerPass][4]) {
-  constexpr int64_t step_bytes = kCodeStepBytes<kind>;
-  const ByteTables& tables = byte_tables<kind>();
-  const uint8_t* codes = q.codes + g * q.K2 * step_bytes;
-  const int64_t KG = q.KG(), steps = q.group / 2;
-  for (int m = 0; m < MB; ++m) {
-    for (int b = 0; b < 4; ++b) total[m][b] = _mm512_setzero_ps();
-  }
-  for (int64_t kg = 0; kg < KG; ++kg) {
-    __m512 acc[MB][4];
-    for (int m = 0; m < MB; ++m) {
-      for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
-    }
     for (int64_t k2 = kg * steps; k2 < (kg + 1) * steps; ++k2) {
-      if (next != nullptr && (k2 * step_bytes) % 64 == 0) _mm_prefetch(next + k2 * step_bytes, _MM_HINT_T1);
       __m512i w[4];
-      decode_step<kind>(tables, codes + k2 * step_bytes, w);
-      for (int m = 0; m < MB; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, x + m * ldx + 2 * k2, sizeof(pair));
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-        for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], a, (__m512bh)w[b]);
-      }
+      step(k2, w);
+      step_rows<MB>(x, ldx, w, k2, acc);
     }
     const GroupTables t = load_group<kind>(q, g, kg);
     for (int m = 0; m < MB; ++m) {
@@ -254,8 +222,10 @@ inline void quant_panel_rows_direct(const uint16_t* x, int64_t ldx, const QuantW
   }
 }
 
-// Up to this many rows a call decodes each step in registers (quant_panel_rows_direct): its
-// accumulators, the step's 4 vectors and the byte tables fit the 32 registers.
+// Up to this many rows a call decodes each step in registers and multiplies at once, writing
+// no panel buffer (for one row, writing the decoded panel to L2 and reading it back cost more
+// than the bytes the codes save); its accumulators, the step's 4 vectors and the byte tables
+// fit the 32 registers.
 constexpr int64_t kDirectRows = 4;
 
 // The codes of the thread's next panel after g (its panels end before ``end``), to stream into
@@ -271,22 +241,31 @@ void run_quant_linear(const uint16_t* x, int64_t M, int64_t K, const QuantWeight
   const int64_t groups = (N + kGroupCols - 1) / kGroupCols, KG = q.KG();
   const int64_t grain = std::max<int64_t>(1, groups / (4 * at::get_num_threads()));
   if (M <= kDirectRows) {
+    constexpr int64_t step_bytes = kCodeStepBytes<kind>;
     at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+      const ByteTables& tables = byte_tables<kind>();
       __m512 total[kRowsPerPass][4];
       for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* codes = q.codes + g * q.K2 * step_bytes;
         const uint8_t* next = next_panel_codes<kind>(q, g, end);
-        switch (M) {
-          case 4: quant_panel_rows_direct<kind, 4>(x, K, q, g, next, xsum, total); store_rows<4>(total, y, N, g * kGroupCols, N, bias); break;
-          case 3: quant_panel_rows_direct<kind, 3>(x, K, q, g, next, xsum, total); store_rows<3>(total, y, N, g * kGroupCols, N, bias); break;
-          case 2: quant_panel_rows_direct<kind, 2>(x, K, q, g, next, xsum, total); store_rows<2>(total, y, N, g * kGroupCols, N, bias); break;
-          default: quant_panel_rows_direct<kind, 1>(x, K, q, g, next, xsum, total); store_rows<1>(total, y, N, g * kGroupCols, N, bias); break;
-        }
+        const auto decode = [&](int64_t k2, __m512i (&w)[4]) {
+          if (next != nullptr && (k2 * step_bytes) % 64 == 0) _mm_prefetch(next + k2 * step_bytes, _MM_HINT_T1);
+          decode_step<kind>(tables, codes + k2 * step_bytes, w);
+        };
+        with_rows<kDirectRows>(M, [&](auto rows) {
+          constexpr int MB = decltype(rows)::value;
+          quant_panel_rows<kind, MB>(x, K, q, g, xsum, decode, total);
+          store_rows<MB>(total, y, N, g * kGroupCols, N, bias);
+        });
       }
     });
     return;
   }
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> panel(q.K2 * kStepElems);
+    const auto read = [&](int64_t k2, __m512i (&w)[4]) {
+      for (int b = 0; b < 4; ++b) w[b] = _mm512_loadu_si512(panel.data() + k2 * kStepElems + 32 * b);
+    };
     __m512 total[kRowsPerPass][4];
     for (int64_t chunk = 0; chunk < M; chunk += kRowChunk)
     for (int64_t g = begin; g < end; ++g) {
@@ -296,14 +275,11 @@ void run_quant_linear(const uint16_t* x, int64_t M, int64_t K, const QuantWeight
         const uint16_t* xm = x + m0 * K;
         const float* xs = xsum != nullptr ? xsum + m0 * KG : nullptr;
         out_t* ym = y + m0 * N;
-        switch (std::min<int64_t>(kRowsPerPass, M - m0)) {
-          case 6: quant_panel_rows<kind, 6>(xm, K, panel.data(), q, g, xs, total); store_rows<6>(total, ym, N, g * kGroupCols, N, bias); break;
-          case 5: quant_panel_rows<kind, 5>(xm, K, panel.data(), q, g, xs, total); store_rows<5>(total, ym, N, g * kGroupCols, N, bias); break;
-          case 4: quant_panel_rows<kind, 4>(xm, K, panel.data(), q, g, xs, total); store_rows<4>(total, ym, N, g * kGroupCols, N, bias); break;
-          case 3: quant_panel_rows<kind, 3>(xm, K, panel.data(), q, g, xs, total); store_rows<3>(total, ym, N, g * kGroupCols, N, bias); break;
-          case 2: quant_panel_rows<kind, 2>(xm, K, panel.data(), q, g, xs, total); store_rows<2>(total, ym, N, g * kGroupCols, N, bias); break;
-          default: quant_panel_rows<kind, 1>(xm, K, panel.data(), q, g, xs, total); store_rows<1>(total, ym, N, g * kGroupCols, N, bias); break;
-        }
+        with_rows(M - m0, [&](auto rows) {
+          constexpr int MB = decltype(rows)::value;
+          quant_panel_rows<kind, MB>(xm, K, q, g, xs, read, total);
+          store_rows<MB>(total, ym, N, g * kGroupCols, N, bias);
+        });
       }
     }
   });
