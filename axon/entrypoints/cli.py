@@ -332,6 +332,7 @@ def _add_train_eagle3_parser(sub: Any) -> None:
     train.add_argument("--output", required=True, help="folder the head is written to")
     options = [
         ("--num-prompts", int, "training prompts, answered by the target"),
+        ("--follow-ups", int, "follow-up user turns per training prompt, answered in the same conversation"),
         ("--num-eval-prompts", int, "held-out prompts of the acceptance estimate"),
         ("--max-tokens", int, "the most tokens per generated answer"),
         ("--epochs", int, "passes over the training data"),
@@ -534,6 +535,7 @@ def cmd_train_eagle3(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         num_steps=args.num_steps,
+        follow_ups=args.follow_ups,
     )
     start = time.perf_counter()
     report = train_eagle3(options, engine_chat_generator(args.target, args.dtype, args.seed))
@@ -555,17 +557,25 @@ def cmd_train_eagle3(args: argparse.Namespace) -> int:
 
 
 def engine_chat_generator(model: str | None, dtype: str, seed: int):
-    """``train_eagle3``'s ``generate``: greedy chat answers from axon's engine, which is freed
-    once they are in (the target pass loads its own copy)."""
+    """``train_eagle3``'s ``generate``: greedy chat answers from axon's engine, turn by turn (each
+    turn of every conversation in one batch, after the answers to the turns before it), which is
+    freed once they are in (the target pass loads its own copy)."""
 
-    def generate(messages: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    def generate(dialogues: list[list[str]], max_tokens: int) -> list[list[tuple[list[int], list[int]]]]:
         from axon.entrypoints.llm import LLM
         from axon.sampling_params import SamplingParams
 
         llm = LLM(model=model, dtype=dtype, seed=seed, max_num_seqs=64)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        outputs = llm.chat([[{"role": "user", "content": m}] for m in messages], params)
-        return [(list(o.prompt_token_ids or []), list(o.outputs[0].token_ids)) for o in outputs]
+        histories: list[list[dict[str, str]]] = [[] for _ in dialogues]
+        answered: list[list[tuple[list[int], list[int]]]] = [[] for _ in dialogues]
+        for turn in range(max((len(d) for d in dialogues), default=0)):
+            active = [i for i, d in enumerate(dialogues) if turn < len(d)]
+            asked = [[*histories[i], {"role": "user", "content": dialogues[i][turn]}] for i in active]
+            for i, conversation, out in zip(active, asked, llm.chat(asked, params), strict=True):
+                histories[i] = [*conversation, {"role": "assistant", "content": out.outputs[0].text}]
+                answered[i].append((list(out.prompt_token_ids or []), list(out.outputs[0].token_ids)))
+        return answered
 
     return generate
 

@@ -234,6 +234,23 @@ STANDALONE = (
     "Write a polite reminder email about an unpaid invoice.",
 )
 
+# A second user turn, asked after the target's first answer in the same conversation: the answer
+# to it is another greedy answer, written with the first one in its context.
+FOLLOW_UPS = (
+    "Tell me more.",
+    "Can you give an example?",
+    "Explain that more simply.",
+    "Why is that?",
+    "What else should I know?",
+    "Summarize that in one sentence.",
+    "Can you make it shorter?",
+    "Say it again in a different way.",
+    "What is the most important part?",
+    "Thanks! Anything to add?",
+    "Continue.",
+    "Can you put that as a list?",
+)
+
 _HELD_OUT_EVERY = 8  # every 8th subject and standalone prompt belongs to the held-out split
 
 
@@ -260,3 +277,12 @@ def chat_prompts(num_prompts: int, seed: int, held_out: bool = False) -> list[st
 
 def _split(items: tuple[str, ...], held_out: bool) -> list[str]:
     return [x for i, x in enumerate(items) if (i % _HELD_OUT_EVERY == 0) == held_out]
+
+
+def chat_dialogues(num_prompts: int, seed: int, follow_ups: int, held_out: bool = False) -> list[list[str]]:
+    """``chat_prompts``, each followed by ``follow_ups`` distinct follow-up messages (seeded):
+    the user turns of one conversation each."""
+    if not 0 <= follow_ups <= len(FOLLOW_UPS):
+        raise ValueError(f"follow_ups must be from 0 to {len(FOLLOW_UPS)}, got {follow_ups!r}")
+    rng = random.Random(seed + 1)
+    return [[p, *rng.sample(FOLLOW_UPS, follow_ups)] for p in chat_prompts(num_prompts, seed, held_out)]

@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from axon import LLM, SamplingParams
 from axon.entrypoints.cli import engine_chat_generator, main
 from axon.model.layers.attention import get_attention_backend
 from axon.model.loader import load_hf_config
 from axon.spec_decode.eagle3 import load_eagle3
-from axon.spec_decode.prompts import STANDALONE, SUBJECTS, TEMPLATES, chat_prompts
+from axon.spec_decode.prompts import FOLLOW_UPS, STANDALONE, SUBJECTS, TEMPLATES, chat_dialogues, chat_prompts
 from axon.spec_decode.train_eagle3 import (
     Batch,
     TrainOptions,
@@ -92,6 +94,25 @@ def test_cli_trains_and_prints_the_estimate(tiny_target: str, tmp_path: Path, ca
 def test_cli_names_a_bad_option(tmp_path: Path, capsys) -> None:
     assert main(["train-eagle3", "--output", str(tmp_path), "--epochs", "0"]) == 2
     assert "epochs must be an integer of at least 1, got 0" in capsys.readouterr().err
+    assert main(["train-eagle3", "--output", str(tmp_path), "--follow-ups", "99"]) == 2
+    assert f"follow_ups must be an integer from 0 to {len(FOLLOW_UPS)}, got 99" in capsys.readouterr().err
+
+
+def test_follow_up_turns_are_answered_in_the_same_conversation(tiny_target: str) -> None:
+    dialogues = chat_dialogues(3, 0, 2) + chat_dialogues(1, 0, 0)
+    assert [len(d) for d in dialogues] == [3, 3, 3, 1]
+    answered = engine_chat_generator(tiny_target, "float32", 0)(dialogues, 8)
+    assert [len(turns) for turns in answered] == [3, 3, 3, 1]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    for dialogue, turns in zip(dialogues, answered, strict=True):
+        for message, (prompt, _) in zip(dialogue, turns, strict=True):
+            assert message in tokenizer.decode(prompt)
+        for (prompt, _), (next_prompt, _) in itertools.pairwise(turns):
+            # The next turn's prompt is this one, the answer as the chat template writes it
+            # back, then the follow-up message (the prompt's last token, the newline after the
+            # assistant's role, may merge with the answer's first characters).
+            assert next_prompt[: len(prompt) - 1] == prompt[:-1] and len(next_prompt) > len(prompt) + 4
+        assert all(answer for _, answer in turns)
 
 
 def test_chain_mask_counts_response_chains_inside_the_sequence() -> None:
@@ -123,3 +144,7 @@ def test_held_out_prompts_have_their_own_subjects() -> None:
     assert any(p in STANDALONE for p in train)
     with pytest.raises(ValueError, match="num_prompts 5000 exceeds"):
         chat_prompts(5000, 0)
+    dialogues = chat_dialogues(1500, 0, 2)
+    assert [d[0] for d in dialogues] == train  # the same first turns, each with 2 follow-ups
+    assert all(len(set(d[1:])) == 2 and set(d[1:]) <= set(FOLLOW_UPS) for d in dialogues)
+    assert chat_dialogues(200, 0, 0, held_out=True) == [[p] for p in held_out]
