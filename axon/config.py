@@ -126,7 +126,8 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     """fcfs only, for now."""
     admission_kv_limit: bool = True
-    """Holdback admission: admit only while the running set fits at max_model_len each, so that
+    """Holdback admission: admit only while the running set fits at its worst case, each request
+    at its own longest (prompt + max_tokens + draft slots, at most max_model_len), so that
     decodes never preempt each other. Off: vLLM's optimistic admission (preemption may occur)."""
     async_scheduling: bool | None = None
     """Schedule step N+1 while step N runs (each running request is scheduled ahead with a

@@ -114,9 +114,11 @@ class KVCacheManager:
         assert self.window is not None
         return max(0, num_computed_tokens - self.window + 1) // self.block_size
 
-    def max_blocks_per_seq(self, max_num_batched_tokens: int) -> int:
-        """The most blocks one request of ``max_model_len`` tokens holds (``blocks_per_seq``)."""
-        return blocks_per_seq(self.max_model_len, self.block_size, self.window, max_num_batched_tokens)
+    def max_blocks_per_seq(self, max_num_batched_tokens: int, num_tokens: int | None = None) -> int:
+        """The most blocks one request of ``num_tokens`` tokens (default ``max_model_len``)
+        holds (``blocks_per_seq``)."""
+        length = self.max_model_len if num_tokens is None else num_tokens
+        return blocks_per_seq(length, self.block_size, self.window, max_num_batched_tokens)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

@@ -5,9 +5,10 @@ Each step spends a budget of ``max_num_batched_tokens``:
      decode is one token; a long prompt's next prefill segment is whatever budget is left);
      when KV runs out anyway, the newest running request is preempted (recomputed later);
   2. then the holdback queue, admitted in FCFS order only while admission holds: a batch slot
-     is free and the running set is below the worst-case KV concurrency at ``max_model_len``
-     (so decodes never preempt each other into a livelock). The first refusal stops
-     admission, which keeps the order fair.
+     is free and the KV cache holds the running set at its worst case, every request at its
+     own longest (prompt + max_tokens + draft slots, at most ``max_model_len``), so decodes
+     never preempt each other into a livelock. The first refusal stops admission, which keeps
+     the order fair.
 No phases: a prompt longer than the budget is simply prefilled over several steps.
 
 Pooling requests (embeddings) are scheduled like any prefill and batched with everything
@@ -53,6 +54,8 @@ otherwise (EOS, a stop token) wastes one row of step N+1, which nobody sees.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -74,6 +77,8 @@ from axon.spec_decode.config import SpecDecodeConfig
 from axon.spec_decode.policy import DraftPolicy
 from axon.step_outputs import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from axon.structured_output.manager import StructuredOutputManager, Verdict
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -111,13 +116,25 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, max_model_len, self.enable_caching, window
         )
-        # The running set's cap: vllm-neuron's worst-case KV concurrency at max_model_len.
         self.max_running = self.max_num_seqs
-        if scheduler_config.admission_kv_limit:
-            per_seq = self.kv_cache_manager.max_blocks_per_seq(self.max_num_batched_tokens)
-            self.max_running = min(
-                self.max_num_seqs, max_concurrency(num_blocks, self.block_size, max_model_len, per_seq)
-            )
+        # Holdback admission (``_worst_case_blocks``): vllm-neuron caps the running set at the
+        # requests of max_model_len tokens the cache holds; a request's own max_tokens narrows its
+        # worst case, so 64 requests of 512 + 128 tokens all run where 45 of 4,096 would fit.
+        self.admission_kv_limit = scheduler_config.admission_kv_limit
+        self.num_usable_blocks = num_blocks - 1  # block 0 is the null block
+        full_length = max_concurrency(
+            num_blocks,
+            self.block_size,
+            max_model_len,
+            self.kv_cache_manager.max_blocks_per_seq(self.max_num_batched_tokens),
+        )
+        logger.info(
+            "maximum concurrency for %d tokens per request: %d (max_num_seqs %d; requests with a "
+            "smaller max_tokens fit more)",
+            max_model_len,
+            full_length,
+            self.max_num_seqs,
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()  # the holdback queue, FCFS
         self.running: list[Request] = []  # oldest first; the newest is preempted first
@@ -129,6 +146,7 @@ class Scheduler:
         # Model-based proposers write draft KV past the step's tokens; ngram writes none.
         self.drafts_need_kv = spec_config is not None and spec_config.method != "ngram"
         self.num_lookahead_tokens = 0  # this step's drafts per request (the policy's choice)
+        self.max_lookahead_tokens = spec_config.num_speculative_tokens if self.drafts_need_kv else 0
         self.spec_stats = SpecDecodingStats()  # since the last report
         self.spec_totals = SpecDecodingStats()  # since start-up
         self.connector = kv_connector
@@ -302,10 +320,22 @@ class Scheduler:
             0, min(self.num_lookahead_tokens, self.max_model_len - req.num_computed_tokens - num_new_tokens)
         )
 
+    def _worst_case_blocks(self, req: Request) -> int:
+        """The most KV blocks ``req`` can ever hold: its prompt, every token it may generate and
+        a model proposer's draft slots, at most ``max_model_len`` tokens in all."""
+        longest = req.num_prompt_tokens + req.max_tokens + self.max_lookahead_tokens
+        return self.kv_cache_manager.max_blocks_per_seq(
+            self.max_num_batched_tokens, min(self.max_model_len, longest)
+        )
+
     def _admit_waiting(
         self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
     ) -> None:
         encoder_budget = self.max_num_encoder_input_tokens
+        reserved = 0  # the running set's worst-case blocks (holdback admission)
+        if self.admission_kv_limit:
+            holders = itertools.chain(self.running, self.waiting_for_remote_kv.values())
+            reserved = sum(self._worst_case_blocks(r) for r in holders)
         while (
             self.waiting
             and budget > 0
@@ -320,10 +350,14 @@ class Scheduler:
             num_image_tokens = sum(i.num_tokens for i in req.images or ())
             if num_image_tokens > encoder_budget and encoder_budget < self.max_num_encoder_input_tokens:
                 break  # FCFS: it waits for a step whose vision-tower call has room
+            need = self._worst_case_blocks(req) if self.admission_kv_limit else 0
+            if reserved and reserved + need > self.num_usable_blocks:
+                break  # holdback: it waits until the running set's worst case leaves it room
             hit_blocks, num_hit_tokens = [], 0
             if req.num_computed_tokens == 0:  # else: a loaded request, its blocks in hand
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
                 if self._start_remote_load(req, hit_blocks, num_hit_tokens):
+                    reserved += need
                     continue
             n = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
             if self.encoder_only and n < req.num_tokens:
@@ -343,6 +377,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            reserved += need
             req.set_status(RequestStatus.RUNNING)
             self.running.append(req)
             req.num_computed_tokens += num_hit_tokens
