@@ -720,6 +720,9 @@ def test_random_workload_keeps_invariants(seed: int, block_size: int, admission_
         assert len(sched.running) <= sched.max_running
         if admission_kv_limit:
             assert out.preempted_req_ids == set()
+            # Holdback: the running set fits the cache with every request at its longest.
+            longest = [min(max_model_len, r.num_prompt_tokens + r.max_tokens) for r in sched.running]
+            assert sum(-(-n // block_size) for n in longest) <= num_blocks - 1 or len(sched.running) == 1
         for req_id in out.preempted_req_ids:
             req = reqs[req_id]
             assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
