@@ -396,7 +396,10 @@ AXON_INLINE __m512 row_scores(const float* q, KeyFn&& key) {
     return acc;
   };
   // w[i], lane L: [k_2i's lanes 4L+0 and 4L+2, k_2i+1's, k_2i's 4L+1 and 4L+3, k_2i+1's], summed.
+  // Unrolled whole, so the 16 dot products' FMA chains interleave (one pair at a time waits on
+  // the FMA latency: a third of the throughput).
   __m512 w[8];
+#pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
     const __m512 a = dot(2 * i), b = dot(2 * i + 1);
     w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -454,6 +457,36 @@ AXON_INLINE void for_each_tile(const Item<scalar_t, cache_t>& it, const cache_t*
   }
 }
 
+// Keys u_begin .. u_end - 1 of a tile's values, weighted, added to R rows' sums (acc[r], D floats
+// each) with p[r][u] the row's weight of key u: each row's sum in key order, one FMA chain per
+// 16 floats, as one row alone would compute it. R rows at once give R times the independent
+// chains (a chain waits on its FMA's latency) and share each value's load.
+template <int D, int R, typename ValueFn>
+AXON_INLINE void weigh_values(float* const* acc, const float* const* p, int64_t u_begin, int64_t u_end,
+                              ValueFn&& value) {
+  constexpr int NV = D / 16;
+  __m512 a[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_loadu_ps(acc[r] + 16 * i);
+  }
+  for (int64_t u = u_begin; u < u_end; ++u) {
+    __m512 vu[NV];
+    for (int i = 0; i < NV; ++i) vu[i] = value(u, i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pu = _mm512_set1_ps(p[r][u]);
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(pu, vu[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[r] + 16 * i, a[r][i]);
+  }
+}
+
+// Rows weighed together by weigh_values: as many as the registers hold (accumulators and one
+// key's values).
+template <int D>
+constexpr int kValueRows = D <= 64 ? 4 : (D <= 128 ? 2 : 1);
+
 // Every row's scores against every key it reads, softmax over the whole row, then the values
 // weighted in key order. A row's numbers come from its own query and keys only: its scores by
 // row_scores' fixed network, its maximum exactly, its sum in lane j mod 16 for key j then one
@@ -509,19 +542,37 @@ void many_rows_avx512(const Item<scalar_t, cache_t>& it, std::vector<float>& scr
     if (it.has_sink()) row_sum[r] += std::exp(it.sink(r) - max_score);  // after the keys: one order
     row_maxes[r] = max_score;
   }
+  constexpr int RV = kValueRows<D>;
   for_each_tile<D>(it, it.v_cache, n, tile, [&](int64_t j0, const cache_t* const* keys) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t valid = std::min(kTile, it.last_key(r) - j0 + 1), h = r / per_head;
-      if (valid <= 0 || it.first_key(r) >= j0 + kTile) continue;  // keys before first_key weigh 0
-      const float* p = scores + r * n_pad + j0;
-      float* ar = acc + r * D;
-      __m512 a[NV];
-      for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(ar + 16 * i);
-      for (int64_t u = 0; u < valid; ++u) {
-        const __m512 pu = _mm512_set1_ps(p[u]);
-        for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pu, widened(keys, h, u, i), a[i]);
+    // Up to RV rows of one KV head that read the tile, weighed together over the keys all of
+    // them read, then each over the rest of its own.
+    for (int64_t r = 0; r < rows;) {
+      float* accs[RV];
+      const float* ps[RV];
+      int64_t valids[RV];
+      int count = 0;
+      int64_t h = -1, common = kTile;
+      for (; r < rows && count < RV; ++r) {
+        const int64_t valid = std::min(kTile, it.last_key(r) - j0 + 1);
+        if (valid <= 0 || it.first_key(r) >= j0 + kTile) continue;  // keys before first_key weigh 0
+        if (count > 0 && r / per_head != h) break;
+        h = r / per_head;
+        accs[count] = acc + r * D;
+        ps[count] = scores + r * n_pad + j0;
+        valids[count++] = valid;
+        common = std::min(common, valid);
       }
-      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(ar + 16 * i, a[i]);
+      if (count == 0) continue;
+      const auto value = [&](int64_t u, int i) { return widened(keys, h, u, i); };
+      switch (count) {
+        case 4: weigh_values<D, kValueRows<D> >= 4 ? 4 : 1>(accs, ps, 0, common, value); break;
+        case 3: weigh_values<D, kValueRows<D> >= 3 ? 3 : 1>(accs, ps, 0, common, value); break;
+        case 2: weigh_values<D, kValueRows<D> >= 2 ? 2 : 1>(accs, ps, 0, common, value); break;
+        default: weigh_values<D, 1>(accs, ps, 0, common, value); break;
+      }
+      for (int c = 0; c < count; ++c) {
+        if (valids[c] > common) weigh_values<D, 1>(accs + c, ps + c, common, valids[c], value);
+      }
     }
   });
   store_rows(it, acc, row_sum, row_maxes);
