@@ -333,7 +333,7 @@ class Scheduler:
     ) -> None:
         encoder_budget = self.max_num_encoder_input_tokens
         reserved = 0  # the running set's worst-case blocks (holdback admission)
-        if self.admission_kv_limit:
+        if self.admission_kv_limit and self.waiting:  # not summed in steps nobody waits in
             holders = itertools.chain(self.running, self.waiting_for_remote_kv.values())
             reserved = sum(self._worst_case_blocks(r) for r in holders)
         while (
