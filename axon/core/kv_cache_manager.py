@@ -321,7 +321,7 @@ class KVCacheManager:
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Release the request's blocks past its first ``num_tokens`` tokens (rejected drafts'
-        and unused lookahead slots). Such blocks never hold a full block of known tokens, so
+        and unused lookahead slots). Such blocks never hold a full block of computed tokens, so
         none of them is in the prefix cache."""
         blocks = self.req_to_blocks.get(request.req_id)
         keep = self.num_blocks_needed(num_tokens)

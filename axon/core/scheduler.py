@@ -546,11 +546,13 @@ class Scheduler:
         return outputs
 
     def _settle_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """Roll back the rejected drafts' KV and release the blocks that held only them."""
+        """Roll back the rejected drafts' KV and release the blocks that held only them. The
+        block of the next token's slot stays: the next step computes that slot, and a model
+        proposer has already written its own KV there (its catch-up pass over the known tokens)."""
         assert 0 <= num_accepted <= num_drafts, f"{num_accepted} of {num_drafts} drafts accepted"
         req.num_computed_tokens -= num_drafts - num_accepted
         req.spec_token_ids = []
-        self.kv_cache_manager.trim(req, req.num_computed_tokens)
+        self.kv_cache_manager.trim(req, req.num_computed_tokens + 1)
         assert self.draft_policy is not None
         self.draft_policy.record(num_drafts, num_accepted)
         self.spec_stats.observe(num_drafts, num_accepted)

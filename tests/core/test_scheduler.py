@@ -945,6 +945,36 @@ def test_draft_policy_sees_the_batch_that_can_run_not_the_queue() -> None:
     assert seen == [2]
 
 
+def test_rejected_drafts_keep_the_block_of_the_next_token() -> None:
+    """After a verification the next token's slot keeps its block: a model proposer has already
+    written its draft KV there (the catch-up pass), and the next step computes that slot anyway.
+    Freeing the block lost that KV and made the draft read another block's."""
+    from axon.spec_decode.config import SpecDecodeConfig
+
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        64,
+        64,
+        spec_config=SpecDecodeConfig(method="draft_model", num_speculative_tokens=3, model="draft"),
+    )
+    sched.draft_policy.num_drafts = lambda batch_size: 3  # type: ignore[method-assign,union-attr]
+    req = make_request("r", prompt(7, 100))
+    sched.add_request(req)
+    out = sched.schedule()  # the prompt: positions 0-6, drafts' slots to 9
+    sched.update_from_output(
+        out, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[50]], spec_token_ids={"r": [51, 52, 53]})
+    )
+    out = sched.schedule()  # verify 50, 51, 52, 53 at 7-10; the next drafts' slots to 13
+    assert out.scheduled_spec_decode_tokens == {"r": [51, 52, 53]}
+    blocks = sched.kv_cache_manager.get_block_ids("r")
+    assert len(blocks) == 4
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[60]]))  # all rejected
+    assert (req.num_computed_tokens, req.num_tokens) == (8, 9)
+    # 60 sits at position 8, in the third block: kept, the rejected drafts' fourth released.
+    assert sched.kv_cache_manager.get_block_ids("r") == blocks[:3]
+
+
 # ---- the encoder budget (multimodal requests) ----
 
 
