@@ -7,7 +7,9 @@ begins and how long it took: ``axon generate`` and ``axon serve`` show the same 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -33,3 +35,20 @@ def startup_phase(what: str) -> Iterator[None]:
     t0 = time.perf_counter()
     yield
     logger.info("%s: done in %.1f s", what, time.perf_counter() - t0)
+
+
+def freeze_start_up_heap() -> None:
+    """Move what start-up built (the model, the tokenizer, the engine) out of the cyclic
+    collector's reach, as vLLM freezes its heap: a collection during the steps then walks only
+    what the steps allocate (unfrozen, collections were 4 to 6% of a SmolLM2 decode).
+
+    Frozen objects that later die in a reference cycle are not reclaimed until the next
+    unfreeze, so an in-process engine (``LLM``) thaws the heap first: what earlier engines of
+    the process left in cycles is collected before the new one is frozen."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    # Thawed at exit, so the interpreter's last collection still finalizes everything
+    # (extension modules report objects left alive then as leaks).
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)

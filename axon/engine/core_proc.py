@@ -21,7 +21,6 @@ deadlocked holding the GIL), not merely busy with a long step.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import multiprocessing
 import os
@@ -37,7 +36,7 @@ import zmq
 from axon.config import AxonConfig
 from axon.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from axon.platforms.processes import die_with_parent
-from axon.startup import configure_logging
+from axon.startup import configure_logging, freeze_start_up_heap
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +90,7 @@ def run_engine_core(config: AxonConfig, input_addr: str, output_addr: str) -> No
         from axon.engine.core import make_engine_core
 
         core = make_engine_core(config)
-        # The model and what start-up built live to the end: frozen out of the collector's
-        # reach (as vLLM freezes its heap), a collection during the steps walks only what the
-        # steps allocate (it was ~3% of a SmolLM2 decode step).
-        gc.collect()
-        gc.freeze()
+        freeze_start_up_heap()
         out.send_multipart(encode(READY, {"num_blocks": core.num_blocks, "pid": os.getpid()}))
         _loop(core, inp, out, _step_function(core))
         core.shutdown()

@@ -17,6 +17,7 @@ from axon.engine.tokenizer import load_tokenizer
 from axon.lora.request import LoRARequest
 from axon.pooling_params import PoolingParams
 from axon.sampling_params import RequestOutputKind, SamplingParams
+from axon.startup import freeze_start_up_heap
 
 
 class LLMEngine:
@@ -32,6 +33,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._child_ids: dict[str, list[str]] = {}
         self._counter = itertools.count()
+        freeze_start_up_heap()  # the engine core runs in this process
 
     def add_request(
         self,

@@ -23,7 +23,6 @@ kills the ranks still stuck in a collective. A rank dies with the engine-core pr
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import multiprocessing
 import os
@@ -45,7 +44,7 @@ from axon.distributed.parallel_state import SHM_SLOT_BYTES, DistributedInit, cre
 from axon.executor.abstract import LazyFuture, MultiRankExecutor, WorkerError, resolve_async_scheduling
 from axon.platforms.processes import die_with_parent
 from axon.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from axon.startup import configure_logging
+from axon.startup import configure_logging, freeze_start_up_heap
 
 logger = logging.getLogger(__name__)
 
@@ -270,8 +269,7 @@ def _worker_main(
         from axon.worker.worker import Worker
 
         worker = Worker(config, dist_init)
-        gc.collect()
-        gc.freeze()  # as the engine core does: collections walk only what steps allocate
+        freeze_start_up_heap()
         reply("ok", {"model_load_time_s": worker.model_load_time_s})
         while True:
             method, args = pickle.loads(commands.recv())
