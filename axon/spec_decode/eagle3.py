@@ -301,10 +301,15 @@ class Eagle3DraftModel(nn.Module):
             self.embed_tokens = None
         self._target_embed = (embed,)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the head computes in: its weights' dtype (a packed linear keeps no ``weight``)."""
+        return self.norm.weight.dtype
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # [...] -> [..., hidden]
         embed = self.embed_tokens if self.embed_tokens is not None else self._shared_embedding()
-        return embed(input_ids).to(self.fc.weight.dtype)
+        return embed(input_ids).to(self.dtype)
 
     def _shared_embedding(self) -> nn.Embedding:
         assert self._target_embed, "call share_embeddings(target) before the first forward"
@@ -312,7 +317,7 @@ class Eagle3DraftModel(nn.Module):
 
     def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
         # [..., len(aux_layer_ids) * target_hidden] -> [..., hidden]
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return self.fc(aux.to(self.dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # input_ids, positions [T]; hidden [T, hidden] -> [T, hidden] pre-norm output

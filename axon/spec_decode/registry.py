@@ -46,9 +46,8 @@ def make_proposer(
         with startup_phase(f"loading the EAGLE3 head {spec.model}"):
             head = load_eagle3(spec.model, config.model_config.hf_config, dtype, device, backend)
             if linear_backend != "torch":
-                # The decoder layer's linears, packed as the target's; fc and lm_head stay
-                # nn.Linear (the head reads fc.weight's dtype).
-                pack_linears(head.midlayer, linear_backend, linear_batch_hint)
+                # Every linear packed as the target's: fc once a step, lm_head on every draft.
+                pack_linears(head, linear_backend, linear_batch_hint)
         return Eagle3Proposer(head, target, config.cache_config.block_size, device)
     raise ValueError(
         f"speculative_config.method {spec.method!r} is not supported; supported: {', '.join(METHODS)}"
