@@ -22,6 +22,7 @@ from axon.model.layers.quant import (
     concat_rows,
     default_group_size,
     quantize_activations,
+    quantize_linears,
     quantize_weight,
 )
 from axon.model.loader.gguf_blocks import KEPT_QUANTIZED, quantized_weight
@@ -118,6 +119,17 @@ def test_fp8_is_per_channel_with_amax_at_448() -> None:
     assert q.codes.dtype == torch.float8_e4m3fn and q.scales.shape == (16, 1)
     assert torch.allclose(q.codes.float().abs().amax(dim=1), torch.full((16,), 448.0))
     assert (q.dequantize() - w).abs().max() <= w.abs().max() * 2**-4  # 3 mantissa bits
+
+
+@pytest.mark.parametrize(("method", "head_quantized"), [("int8", True), ("int4", False), ("fp8", False)])
+def test_the_lm_head_is_quantized_by_int8_alone(method: str, head_quantized: bool) -> None:
+    """int8 keeps the LM head as codes too; fp8 and int4 keep it in the model's dtype."""
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Linear(64, 32, bias=False)
+    model.lm_head = torch.nn.Linear(64, 48, bias=False)
+    assert quantize_linears(model, method, None, use_kernel=False) == 1 + head_quantized
+    assert isinstance(model.mlp, QuantLinear)
+    assert isinstance(model.lm_head, QuantLinear) == head_quantized
 
 
 @pytest.mark.parametrize(("group", "k"), [(48, 64), (32, 80)])

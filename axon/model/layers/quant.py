@@ -39,6 +39,10 @@ FP8_E4M3_MAX = 448.0
 GROUP_COLS = 64  # output columns per packed panel (kGroupCols in the kernel)
 
 DEFAULT_GROUP_SIZE = {"int4": 128}  # int8 and fp8: one scale per output channel
+# Methods whose codes hold the LM head too: int8's per-channel rounding moves the logits little
+# (benchmarks/quant_accuracy.py), and on a small model the head is a fifth of the bytes a decode
+# step reads. fp8 (3 mantissa bits) and int4 keep it in the model's dtype.
+QUANTIZED_LM_HEAD = frozenset({"int8"})
 
 
 @dataclass
@@ -424,10 +428,11 @@ def quantize_linears(
 
     ``given`` (gguf): module name -> its weight already quantized (the file's blocks, the LM head's
     included); a layer not in it stays as it is (a GGUF tensor stored as F32/F16 has no codes).
-    Other methods quantize each layer's own weight, all but the LM head and MoE routers (vLLM's convention: the
-    logits are the most sensitive to rounding; on SmolLM2, fp8 with the head in bf16 keeps 92% top-1
-    agreement with bf16 over 1,000 positions, 84.5% with the head in FP8). The layer keeps its own copy: a weight tied to an
-    embedding stays with the embedding, in full precision.
+    Other methods quantize each layer's own weight, all but the MoE routers and, but for
+    ``QUANTIZED_LM_HEAD``'s methods, the LM head (vLLM's convention: the logits are the most
+    sensitive to rounding; on SmolLM2, fp8 with the head in bf16 keeps 92% top-1 agreement with
+    bf16 over 1,000 positions, 84.5% with the head in FP8). The layer keeps its own copy: a
+    weight tied to an embedding stays with the embedding, in full precision.
     """
     targets = [
         (parent, name, child, f"{parent_name}.{name}" if parent_name else name)
@@ -437,7 +442,7 @@ def quantize_linears(
     ]
     count = 0
     for parent, name, child, full_name in targets:
-        if given is None and full_name == "lm_head":
+        if given is None and full_name == "lm_head" and method not in QUANTIZED_LM_HEAD:
             continue  # as vLLM: the LM head stays in the model's dtype
         if given is None and isinstance(getattr(parent, "experts", None), FusedMoE):
             continue  # a mixture of experts' router: its top-k choice is the most sensitive part
