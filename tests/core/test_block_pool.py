@@ -120,10 +120,22 @@ def test_not_enough_blocks_changes_nothing() -> None:
 def test_free_appends_to_tail_in_given_order() -> None:
     pool = BlockPool(num_blocks=6, enable_caching=True)
     blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks([b"h1", b"h2", b"h3"], blocks, 0, 3)
     pool.free_blocks(reversed(blocks))
-    # Untouched blocks 4, 5 first, then the freed ones in the given (reversed) order.
+    # Untouched blocks 4, 5 first, then the freed (cached) ones in the given (reversed) order.
     assert ids(pool.free_block_queue.get_all_free_blocks()) == [4, 5, 3, 2, 1]
     assert ids(pool.get_new_blocks(3)) == [4, 5, 3]
+    pool.check_integrity()
+
+
+def test_free_blocks_without_a_hash_are_handed_out_next() -> None:
+    # Nothing can hit them: reusing them first keeps the cache's working set small and warm.
+    pool = BlockPool(num_blocks=8, enable_caching=True)
+    blocks = pool.get_new_blocks(4)  # 1, 2, 3, 4
+    pool.cache_full_blocks([b"h1", b"h2"], blocks, 0, 2)
+    pool.free_blocks(reversed(blocks))  # 4, 3 have no hash; 2, 1 are cached
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [4, 3, 5, 6, 7, 2, 1]
+    assert ids(pool.get_new_blocks(3)) == [4, 3, 5]
     pool.check_integrity()
 
 

@@ -167,10 +167,11 @@ def test_fcfs_admission_in_arrival_order_capped_by_max_num_seqs() -> None:
     out, _ = d.step()
     assert out.finished_req_ids == {"a"}
     assert new_ids(out) == ["c"] and list(out.num_scheduled_tokens) == ["b", "c"]
-    # b (scheduled first) crosses into its second block; a's blocks went to the free queue's
-    # tail, so c gets the next never-used block after b's.
-    assert out.scheduled_cached_reqs.new_block_ids == [[4]]
-    assert out.scheduled_new_reqs[0].block_ids == [5]
+    # b (scheduled first) crosses into its second block: a's partial block 2, which went to
+    # the free queue's front (no hash: nothing can hit it); a's full block 1 went to its tail
+    # (cached), so c gets the next never-used block.
+    assert out.scheduled_cached_reqs.new_block_ids == [[2]]
+    assert out.scheduled_new_reqs[0].block_ids == [4]
     d.run_until_done()
     assert {k: len(v) for k, v in d.streamed.items()} == {"a": 2, "b": 5, "c": 1}
 
@@ -198,8 +199,9 @@ def test_blocked_head_is_not_overtaken_by_a_smaller_request() -> None:
 
     out, _ = d.step()
     assert new_ids(out) == ["b", "c"]
-    # Free queue: never-used 5, then a's blocks tail first (4, 3, 2, 1).
-    assert [new.block_ids for new in out.scheduled_new_reqs] == [[5, 4, 3], [2]]
+    # Free queue: a's partial block 4 (no hash) at the front, never-used 5, then a's cached
+    # full blocks tail first (3, 2, 1).
+    assert [new.block_ids for new in out.scheduled_new_reqs] == [[4, 5, 3], [2]]
     assert sched.num_preemptions == 0
 
 
@@ -321,8 +323,9 @@ def test_preempted_request_is_recomputed_in_full() -> None:
     assert resumed.output_token_ids == [1006, 1007, 1008]
     assert resumed.num_computed_tokens == 0
     assert out.num_scheduled_tokens == {"b": 9, "c": 3}  # b: prompt and earlier outputs, recomputed
-    # Free queue: 3, then a's blocks tail first: 4, 2, 1.
-    assert [new.block_ids for new in out.scheduled_new_reqs] == [[3, 4, 2], [1]]
+    # Free queue: without prefix caching no block has a hash, so each freed block went to the
+    # front: a's, freed just now (tail first: 4, 2, 1), then those freed before them.
+    assert [new.block_ids for new in out.scheduled_new_reqs] == [[4, 2, 1], [3]]
     d.run_until_done()
     assert d.streamed == {"a": [1006 + i for i in range(6)], "b": [1006 + i for i in range(6)], "c": [1003]}
     assert b.num_cached_tokens == 0 and sched.num_preemptions == 1
@@ -525,7 +528,7 @@ def test_shared_prefix_blocks_are_reused() -> None:
     c = make_request("c", SHARED + [41], max_tokens=1)
     d.add(c)
     out, _ = d.step()
-    assert out.scheduled_new_reqs[0].block_ids == [1, 2, 5]
+    assert out.scheduled_new_reqs[0].block_ids == [1, 2, 4]  # 4: b's partial block, handed out next
     assert out.num_scheduled_tokens == {"c": 1} and c.num_cached_tokens == 8
 
 
