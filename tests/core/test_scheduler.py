@@ -922,18 +922,23 @@ def test_grammar_requests_are_not_scheduled_ahead() -> None:
     assert not sched.can_schedule_ahead()  # running now
 
 
+def _spec_scheduler(spec_config) -> Scheduler:
+    """Two sequences at most, blocks of 4 tokens, no prefix caching, speculating as ``spec_config`` says."""
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        64,
+        64,
+        spec_config=spec_config,
+    )
+
+
 def test_draft_policy_sees_the_batch_that_can_run_not_the_queue() -> None:
     """A queue longer than max_num_seqs does not switch speculation off for the few that run."""
     from axon.spec_decode.config import SpecDecodeConfig
 
     seen: list[int] = []
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
-        CacheConfig(block_size=4, enable_prefix_caching=False),
-        64,
-        64,
-        spec_config=SpecDecodeConfig(method="ngram", num_speculative_tokens=2),
-    )
+    sched = _spec_scheduler(SpecDecodeConfig(method="ngram", num_speculative_tokens=2))
     assert sched.draft_policy is not None
     real = sched.draft_policy.num_drafts
 
@@ -954,13 +959,7 @@ def test_rejected_drafts_keep_the_block_of_the_next_token() -> None:
     Freeing the block lost that KV and made the draft read another block's."""
     from axon.spec_decode.config import SpecDecodeConfig
 
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
-        CacheConfig(block_size=4, enable_prefix_caching=False),
-        64,
-        64,
-        spec_config=SpecDecodeConfig(method="draft_model", num_speculative_tokens=3, model="draft"),
-    )
+    sched = _spec_scheduler(SpecDecodeConfig(method="draft_model", num_speculative_tokens=3, model="draft"))
     sched.draft_policy.num_drafts = lambda batch_size: 3  # type: ignore[method-assign,union-attr]
     req = make_request("r", prompt(7, 100))
     sched.add_request(req)
