@@ -41,7 +41,7 @@ GROUP_COLS = 64  # output columns per packed panel (kGroupCols in the kernel)
 DEFAULT_GROUP_SIZE = {"int4": 128}  # int8 and fp8: one scale per output channel
 # Methods whose codes hold the LM head too: int8's per-channel rounding moves the logits little
 # (benchmarks/quant_accuracy.py), and on a small model the head is a fifth of the bytes a decode
-# step reads. fp8 (3 mantissa bits) and int4 keep it in the model's dtype.
+# step reads. fp8 (3 mantissa bits), int4 and w8a8 keep it in the model's dtype.
 QUANTIZED_LM_HEAD = frozenset({"int8"})
 
 
