@@ -91,6 +91,48 @@ def test_greedy_text_is_the_same_with_and_without_speculation(servers, spec_answ
         assert spec_answers[prompt] == want, f"{prompt!r} answers differently with speculation"
 
 
+@pytest.fixture(scope="module")
+def eagle3_server(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server speculating with a random EAGLE3 head for the bundled SmolLM2 (its drafts are
+    mostly rejected: every verification rolls back), the head's linears on the packed kernel."""
+    import torch
+
+    from axon.model.layers.attention import get_attention_backend
+    from axon.model.loader import load_hf_config
+    from axon.spec_decode.eagle3 import (
+        build_eagle3,
+        eagle3_hf_config,
+        init_eagle3_weights,
+        parse_eagle3_config,
+        save_eagle3,
+    )
+
+    target_hf = load_hf_config(smollm2_path)
+    folder = str(tmp_path_factory.mktemp("smollm2-eagle3"))
+    config = eagle3_hf_config(target_hf, draft_vocab_size=4096, aux_layer_ids=(2, 15, 27))
+    head = build_eagle3(
+        parse_eagle3_config(config, target_hf), torch.float32, "cpu", get_attention_backend("reference")
+    )
+    init_eagle3_weights(head, seed=0)
+    head.set_vocab_map(torch.arange(4096))
+    save_eagle3(head, folder, config)
+    spec = f'{{"method": "eagle3", "model": "{folder}", "num_speculative_tokens": 3, "adaptive": false}}'
+    server = ServerProcess("--speculative-config", spec)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def test_eagle3_gives_the_plain_text_streamed_or_not(servers, eagle3_server: ServerProcess) -> None:
+    plain, _ = servers
+    for prompt in PROMPTS[:2]:
+        want = _chat(plain, prompt)
+        assert _chat(eagle3_server, prompt) == want, f"{prompt!r} answers differently with EAGLE3"
+        assert _chat(eagle3_server, prompt, stream=True) == want
+    assert eagle3_server.metric("vllm:spec_decode_num_draft_tokens_total") > 0
+
+
 def test_streamed_and_not_give_the_same_text(spec_server: ServerProcess, spec_answers) -> None:
     for prompt in PROMPTS:
         assert _chat(spec_server, prompt, stream=True) == spec_answers[prompt]
